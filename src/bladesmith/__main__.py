@@ -1,0 +1,3 @@
+from bladesmith.cli import main
+
+raise SystemExit(main())

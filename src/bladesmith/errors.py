@@ -1,0 +1,13 @@
+"""Errors that bladesmith raises on purpose; the CLI prints them without a traceback."""
+
+
+class BladesmithError(Exception):
+    """Base class: a problem the user can act on, described in the message."""
+
+
+class DeviceUnavailableError(BladesmithError, RuntimeError):
+    """The device asked for does not exist here; the message names what is missing."""
+
+
+class OpsBuildError(BladesmithError, RuntimeError):
+    """The custom-operator library could not be built or loaded; names the missing tool."""
