@@ -1,0 +1,283 @@
+"""torchvision RetinaNet as a fixed-shape pipeline, with bladesmith post-processing.
+
+torchvision's eager RetinaNet resizes and batches images in Python, computes anchors on
+every call, and post-processes with data-dependent sizes and host synchronisations. For
+one fixed image size all of that is static: ``RetinaNetPipeline`` does the same
+arithmetic with static shapes (anchors computed once, the resize and padding decided at
+construction) and calls ``torch.ops.bladesmith.retinanet_postprocess``, so the whole
+model, image to padded detections, compiles without graph breaks, exports, and can be
+captured in one CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bladesmith.models.images import sample_images
+
+BACKBONES = ("resnet50", "resnet18")
+# Each level of a realistically loaded model keeps at least this many candidates over
+# the score threshold (a trained RetinaNet on a busy image keeps well over 1,000).
+_REALISTIC_CANDIDATES = 1200
+# Spread of random-weight logits after calibration: trained detectors' logits span
+# several units, so scores are spread over (0, 1) instead of clustering.
+_REALISTIC_LOGIT_STD = 2.0
+
+
+def build_retinanet(
+    image_size: tuple[int, int] = (480, 640),
+    weights: str | Path | None = None,
+    realistic_load: bool = True,
+    num_classes: int = 91,
+    backbone: str = "resnet50",
+    seed: int = 0,
+) -> nn.Module:
+    """A torchvision RetinaNet in eval mode whose transform keeps ``image_size`` as is.
+
+    ``weights`` is a local state-dict file (nothing is downloaded); without it the
+    weights are random (seeded, so every call builds the same model) and, with
+    ``realistic_load``, the classification layer is calibrated on a real photograph so
+    that at least 1,200 candidates per level pass the score threshold, spread over a
+    trained model's range of scores: post-processing then works as hard as it does
+    for a trained model on a busy image.
+    """
+    from torchvision.models import resnet18
+    from torchvision.models.detection import retinanet_resnet50_fpn
+    from torchvision.models.detection.backbone_utils import _resnet_fpn_extractor
+    from torchvision.models.detection.retinanet import RetinaNet
+    from torchvision.ops.feature_pyramid_network import LastLevelP6P7
+
+    if backbone not in BACKBONES:
+        raise ValueError(f"backbone must be one of {', '.join(BACKBONES)}; got {backbone!r}")
+    height, width = _check_image_size(image_size)
+    # min_size/max_size equal to the image's sides make the transform's resize a no-op.
+    sizes = {"min_size": min(height, width), "max_size": max(height, width)}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if backbone == "resnet50":
+            model = retinanet_resnet50_fpn(
+                weights=None, weights_backbone=None, num_classes=num_classes, **sizes
+            )
+        else:
+            body = _resnet_fpn_extractor(
+                resnet18(), 5, returned_layers=[2, 3, 4], extra_blocks=LastLevelP6P7(256, 256)
+            )
+            model = RetinaNet(body, num_classes, **sizes)
+    model.eval()
+    if weights is not None:
+        state = torch.load(Path(weights), map_location="cpu", weights_only=True)
+        model.load_state_dict(state)
+    elif realistic_load:
+        calibrate_for_realistic_load(model, (height, width))
+    return model
+
+
+@torch.no_grad()
+def calibrate_for_realistic_load(model: nn.Module, image_size: tuple[int, int]) -> None:
+    """Scale and shift the classification layer of a random-weight RetinaNet so that
+    every level keeps at least 1,200 candidates over the score threshold on a real
+    photograph, with logits spread like a trained model's."""
+    pipeline = RetinaNetPipeline(model, image_size)
+    cls_layer = model.head.classification_head.cls_logits
+    cls_layer.bias.zero_()
+    raw = pipeline.head_outputs(sample_images(1, image_size))[0][0]
+    cls_layer.weight.mul_(_REALISTIC_LOGIT_STD / raw.std().clamp_min(1e-12))
+    raw = raw * (_REALISTIC_LOGIT_STD / raw.std().clamp_min(1e-12))
+    threshold_logit = math.log(model.score_thresh / (1.0 - model.score_thresh))
+    # The shared bias must lift the k-th largest raw logit of the sparsest level over
+    # the threshold; a small margin keeps it there for other photographs.
+    kth_largest = min(
+        level.flatten().topk(min(_REALISTIC_CANDIDATES, level.numel())).values[-1].item()
+        for level in raw.split(pipeline.level_sizes, dim=0)
+    )
+    cls_layer.bias.fill_(threshold_logit - kth_largest + 0.25)
+
+
+class RetinaNetPipeline(nn.Module):
+    """A torchvision RetinaNet for one fixed image size, with padded outputs.
+
+    ``forward(images[B, 3, H, W] float in [0, 1]) -> (boxes[B, D, 4], scores[B, D],
+    labels[B, D] int64, num_detections[B] int64)``, D = ``model.detections_per_img``,
+    gives the detections of ``model(list(images))``; slots past ``num_detections`` are
+    padding (box 0, score 0, label -1).
+
+    The pipeline shares ``model``'s backbone and head (it modifies neither): convert a
+    copy, not the user's model, to another dtype or device.
+    """
+
+    def __init__(self, model: nn.Module, image_size: tuple[int, int]):
+        super().__init__()
+        _check_retinanet(model)
+        height, width = _check_image_size(image_size)
+        transform = model.transform
+        self.backbone = model.backbone
+        self.head = model.head
+        self.image_size = (height, width)
+        self.score_threshold = float(model.score_thresh)
+        self.topk_candidates = int(model.topk_candidates)
+        self.iou_threshold = float(model.nms_thresh)
+        self.max_detections = int(model.detections_per_img)
+        self.box_weights = [float(w) for w in model.box_coder.weights]
+        self.bbox_clip = float(model.box_coder.bbox_xform_clip)
+
+        # The transform's eval-mode resize: scale so the short side reaches min_size
+        # unless the long side would pass max_size (torchvision's rule, decided once).
+        scale = min(transform.min_size[-1] / min(height, width), transform.max_size / max(height, width))
+        self.resized_size = (int(math.floor(height * scale)), int(math.floor(width * scale)))
+        divisor = transform.size_divisible
+        self.padded_size = tuple(int(math.ceil(s / divisor) * divisor) for s in self.resized_size)
+        mean = torch.tensor(transform.image_mean).view(1, 3, 1, 1)
+        std = torch.tensor(transform.image_std).view(1, 3, 1, 1)
+        self.register_buffer("image_mean", mean, persistent=False)
+        self.register_buffer("image_std", std, persistent=False)
+        # Boxes come out in resized coordinates; torchvision scales them back by these.
+        ratio_h = height / self.resized_size[0]
+        ratio_w = width / self.resized_size[1]
+        self.register_buffer(
+            "box_scale", torch.tensor([ratio_w, ratio_h, ratio_w, ratio_h]), persistent=False
+        )
+        self.register_buffer(
+            "resized_hw", torch.tensor([self.resized_size], dtype=torch.int64), persistent=False
+        )
+        anchors, level_sizes = _static_anchors(model, self.padded_size, self.resized_size)
+        self.level_sizes = level_sizes
+        self.register_buffer("anchors", anchors, persistent=False)
+
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        """Normalise, resize and pad as the model's transform does, with static shapes."""
+        if images.dim() != 4 or images.shape[1] != 3 or tuple(images.shape[-2:]) != self.image_size:
+            raise ValueError(
+                f"images: expected a tensor [B, 3, {self.image_size[0]}, {self.image_size[1]}] "
+                f"(the size this pipeline was built for), got shape {tuple(images.shape)}"
+            )
+        mean = self.image_mean.to(images.dtype)
+        std = self.image_std.to(images.dtype)
+        x = (images - mean) / std
+        if self.resized_size != self.image_size:
+            x = F.interpolate(x, size=self.resized_size, mode="bilinear", align_corners=False)
+        pad_h = self.padded_size[0] - self.resized_size[0]
+        pad_w = self.padded_size[1] - self.resized_size[1]
+        if pad_h or pad_w:
+            x = F.pad(x, (0, pad_w, 0, pad_h))
+        return x
+
+    def head_outputs(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Classification logits [B, N, C] and box deltas [B, N, 4] for all levels."""
+        features = list(self.backbone(self.preprocess(images)).values())
+        cls_logits = self.head.classification_head(features)
+        bbox_deltas = self.head.regression_head(features)
+        return cls_logits, bbox_deltas
+
+    def forward(self, images: torch.Tensor):
+        cls_logits, bbox_deltas = self.head_outputs(images)
+        boxes, scores, labels, num_detections = torch.ops.bladesmith.retinanet_postprocess(
+            cls_logits,
+            bbox_deltas,
+            self.anchors.to(cls_logits.dtype),
+            self.level_sizes,
+            self.resized_hw.expand(images.shape[0], 2),
+            self.score_threshold,
+            self.topk_candidates,
+            self.iou_threshold,
+            self.max_detections,
+            self.box_weights,
+            self.bbox_clip,
+        )
+        if self.resized_size != self.image_size:
+            boxes = boxes * self.box_scale.to(boxes.dtype)
+        return boxes, scores, labels, num_detections
+
+    @torch.no_grad()
+    def candidates_per_level(self, images: torch.Tensor) -> list[int]:
+        """The fewest candidates over the score threshold on each level, over the batch:
+        how much work post-processing gets (a trained model on a busy image: > 1,000)."""
+        cls_logits, _ = self.head_outputs(images)
+        passing = cls_logits.float().sigmoid() > self.score_threshold
+        return [
+            int(level.flatten(1).sum(1).min().item())
+            for level in passing.split(self.level_sizes, dim=1)
+        ]
+
+
+class DetectionsAsList(nn.Module):
+    """The drop-in form of a padded detector: ``forward(images: list[Tensor]) ->
+    list[dict(boxes, scores, labels)]``, as torchvision's detectors return in eval mode.
+
+    ``padded`` is any module or callable that maps a batch [B, 3, H, W] to (boxes,
+    scores, labels, num_detections); its outputs are sliced by ``num_detections``
+    (one host synchronisation, after all the device work) and returned in float32.
+    """
+
+    def __init__(self, padded):
+        super().__init__()
+        self.padded = padded
+
+    def forward(self, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        if isinstance(images, torch.Tensor) and images.dim() == 4:
+            batch = images
+        else:
+            shapes = {tuple(image.shape) for image in images}
+            if len(shapes) > 1:
+                raise ValueError(
+                    "images: expected images of one size (the size the model was optimized "
+                    f"for), got sizes {sorted(shapes)}"
+                )
+            batch = torch.stack(list(images))
+        boxes, scores, labels, num_detections = self.padded(batch)
+        return [
+            {"boxes": boxes[i, :n].float(), "scores": scores[i, :n].float(), "labels": labels[i, :n]}
+            for i, n in enumerate(num_detections.tolist())
+        ]
+
+
+def is_retinanet(model: object) -> bool:
+    from torchvision.models.detection.retinanet import RetinaNet
+
+    return isinstance(model, RetinaNet)
+
+
+def _check_retinanet(model: nn.Module) -> None:
+    if not is_retinanet(model):
+        raise TypeError(
+            "model: expected a torchvision.models.detection.RetinaNet, "
+            f"got {type(model).__name__}"
+        )
+    if model.training:
+        raise ValueError("model: expected a model in eval mode (call model.eval() first)")
+
+
+def _check_image_size(image_size) -> tuple[int, int]:
+    try:
+        height, width = (int(s) for s in image_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"image_size: expected (height, width), got {image_size!r}") from None
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image_size: expected positive (height, width), got {image_size!r}")
+    return height, width
+
+
+@torch.no_grad()
+def _static_anchors(model: nn.Module, padded_size, resized_size) -> tuple[torch.Tensor, list[int]]:
+    """Anchors [N, 4] and anchors per level for one padded input size.
+
+    The feature-map sizes come from running the backbone on fake tensors (no compute,
+    any backbone); anchors from the model's own anchor generator.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torchvision.models.detection.image_list import ImageList
+
+    parameter = next(model.parameters())
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.empty(1, 3, *padded_size, device=parameter.device, dtype=parameter.dtype)
+        grid_sizes = [tuple(f.shape[-2:]) for f in model.backbone(fake).values()]
+    images = ImageList(torch.empty(1, 3, *padded_size), [tuple(resized_size)])
+    feature_maps = [torch.empty(1, 1, h, w) for h, w in grid_sizes]
+    anchors = model.anchor_generator(images, feature_maps)[0]
+    per_location = model.anchor_generator.num_anchors_per_location()
+    level_sizes = [h * w * a for (h, w), a in zip(grid_sizes, per_location)]
+    return anchors.to(parameter.device), level_sizes
