@@ -27,6 +27,7 @@ _REALISTIC_CANDIDATES = 1200
 # Spread of random-weight logits after calibration: trained detectors' logits span
 # several units, so scores are spread over (0, 1) instead of clustering.
 _REALISTIC_LOGIT_STD = 2.0
+_CALIBRATION_PHOTOS = 3
 
 
 def build_retinanet(
@@ -41,7 +42,7 @@ def build_retinanet(
 
     ``weights`` is a local state-dict file (nothing is downloaded); without it the
     weights are random (seeded, so every call builds the same model) and, with
-    ``realistic_load``, the classification layer is calibrated on a real photograph so
+    ``realistic_load``, the classification layer is calibrated on real photographs so
     that at least 1,200 candidates per level pass the score threshold, spread over a
     trained model's range of scores: post-processing then works as hard as it does
     for a trained model on a busy image.
@@ -80,20 +81,25 @@ def build_retinanet(
 @torch.no_grad()
 def calibrate_for_realistic_load(model: nn.Module, image_size: tuple[int, int]) -> None:
     """Scale and shift the classification layer of a random-weight RetinaNet so that
-    every level keeps at least 1,200 candidates over the score threshold on a real
-    photograph, with logits spread like a trained model's."""
+    every level keeps at least 1,200 candidates over the score threshold on real
+    photographs, with logits spread like a trained model's."""
     pipeline = RetinaNetPipeline(model, image_size)
     cls_layer = model.head.classification_head.cls_logits
     cls_layer.bias.zero_()
-    raw = pipeline.head_outputs(sample_images(1, image_size))[0][0]
-    cls_layer.weight.mul_(_REALISTIC_LOGIT_STD / raw.std().clamp_min(1e-12))
-    raw = raw * (_REALISTIC_LOGIT_STD / raw.std().clamp_min(1e-12))
+    raw = pipeline.head_outputs(sample_images(_CALIBRATION_PHOTOS, image_size))[0]
+    scale = _REALISTIC_LOGIT_STD / raw.std().clamp_min(1e-12)
+    cls_layer.weight.mul_(scale)
+    raw = raw * scale
     threshold_logit = math.log(model.score_thresh / (1.0 - model.score_thresh))
-    # The shared bias must lift the k-th largest raw logit of the sparsest level over
-    # the threshold; a small margin keeps it there for other photographs.
+    # The shared bias must lift the k-th largest raw logit of the sparsest level, on
+    # every photograph, over the threshold; a small margin keeps it there for others.
     kth_largest = min(
-        level.flatten().topk(min(_REALISTIC_CANDIDATES, level.numel())).values[-1].item()
-        for level in raw.split(pipeline.level_sizes, dim=0)
+        level.flatten(1)
+        .topk(min(_REALISTIC_CANDIDATES, level[0].numel()))
+        .values[:, -1]
+        .min()
+        .item()
+        for level in raw.split(pipeline.level_sizes, dim=1)
     )
     cls_layer.bias.fill_(threshold_logit - kth_largest + 0.25)
 
@@ -127,7 +133,9 @@ class RetinaNetPipeline(nn.Module):
 
         # The transform's eval-mode resize: scale so the short side reaches min_size
         # unless the long side would pass max_size (torchvision's rule, decided once).
-        scale = min(transform.min_size[-1] / min(height, width), transform.max_size / max(height, width))
+        scale = min(
+            transform.min_size[-1] / min(height, width), transform.max_size / max(height, width)
+        )
         self.resized_size = (int(math.floor(height * scale)), int(math.floor(width * scale)))
         divisor = transform.size_divisible
         self.padded_size = tuple(int(math.ceil(s / divisor) * divisor) for s in self.resized_size)
@@ -230,7 +238,11 @@ class DetectionsAsList(nn.Module):
             batch = torch.stack(list(images))
         boxes, scores, labels, num_detections = self.padded(batch)
         return [
-            {"boxes": boxes[i, :n].float(), "scores": scores[i, :n].float(), "labels": labels[i, :n]}
+            {
+                "boxes": boxes[i, :n].float(),
+                "scores": scores[i, :n].float(),
+                "labels": labels[i, :n],
+            }
             for i, n in enumerate(num_detections.tolist())
         ]
 
@@ -244,8 +256,7 @@ def is_retinanet(model: object) -> bool:
 def _check_retinanet(model: nn.Module) -> None:
     if not is_retinanet(model):
         raise TypeError(
-            "model: expected a torchvision.models.detection.RetinaNet, "
-            f"got {type(model).__name__}"
+            f"model: expected a torchvision.models.detection.RetinaNet, got {type(model).__name__}"
         )
     if model.training:
         raise ValueError("model: expected a model in eval mode (call model.eval() first)")
