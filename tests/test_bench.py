@@ -1,0 +1,169 @@
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from bladesmith import bench
+from bladesmith.bench import Timing, measure, measure_batches, percentile
+
+
+def test_percentile_matches_numpy():
+    values = np.random.default_rng(0).exponential(size=257)
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+    with pytest.raises(ValueError, match="empty"):
+        percentile([], 50)
+    with pytest.raises(ValueError, match=r"q must be in \[0, 100\]"):
+        percentile([1.0], 101)
+
+
+def test_timing_from_known_samples():
+    samples = np.arange(1, 101, dtype=float)
+    timing = Timing.from_samples(
+        samples, warmup=3, method="perf_counter", device="cpu", batch_size=4
+    )
+    assert timing.mean_ms == pytest.approx(50.5)
+    assert timing.p50_ms == pytest.approx(50.5)
+    assert timing.p90_ms == pytest.approx(90.1)
+    assert timing.p99_ms == pytest.approx(99.01)
+    assert (timing.min_ms, timing.max_ms) == (1.0, 100.0)
+    assert timing.std_ms == pytest.approx(samples.std(ddof=1))
+    assert timing.throughput == pytest.approx(4 / 0.0505)
+    assert (timing.iterations, timing.warmup) == (100, 3)
+    assert Timing.from_dict(timing.to_dict()) == timing
+
+
+def test_measure_cpu_sleep():
+    calls = []
+
+    def sleepy(x):
+        calls.append(x)
+        time.sleep(0.002)
+
+    timing = measure(sleepy, (torch.ones(1),), warmup=2, iters=6, batch_size=8)
+    assert len(calls) == 8
+    assert timing.method == "perf_counter" and timing.device == "cpu"
+    assert (timing.warmup, timing.iterations, timing.batch_size) == (2, 6, 8)
+    assert timing.min_ms >= 2.0 and timing.mean_ms >= 2.0
+    assert timing.min_ms <= timing.p50_ms <= timing.p90_ms <= timing.p99_ms <= timing.max_ms
+    assert timing.throughput == pytest.approx(8 / (timing.mean_ms / 1000))
+
+
+def test_measure_passes_kwargs_and_reports_progress():
+    seen = []
+    events = []
+    measure(
+        lambda a, b=0: seen.append((a, b)),
+        (1,),
+        {"b": 2},
+        warmup=2,
+        iters=3,
+        progress=lambda stage, done, total: events.append((stage, done, total)),
+    )
+    assert seen == [(1, 2)] * 5
+    assert events == [
+        ("warmup", 1, 2),
+        ("warmup", 2, 2),
+        ("timing", 1, 3),
+        ("timing", 2, 3),
+        ("timing", 3, 3),
+    ]
+
+
+def test_measure_rejects_bad_arguments():
+    for kwargs, name in (
+        ({"iters": 0}, "iters"),
+        ({"warmup": -1}, "warmup"),
+        ({"batch_size": 0}, "batch_size"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            measure(lambda: None, **kwargs)
+
+
+def test_measure_refuses_a_device_it_cannot_synchronise():
+    with pytest.raises(ValueError, match="device meta: bladesmith cannot synchronise"):
+        measure(lambda x: x, (torch.empty(2, device="meta"),), warmup=0, iters=1)
+
+
+def test_measure_batches_reports_throughput_per_batch_size():
+    def make(batch_size):
+        return (lambda x: time.sleep(0.001 * x.shape[0])), (torch.zeros(batch_size, 3),)
+
+    timings = measure_batches(make, [1, 4], warmup=1, iters=3)
+    assert [t.batch_size for t in timings] == [1, 4]
+    assert timings[1].mean_ms >= 4.0
+    for timing in timings:
+        assert timing.throughput == pytest.approx(timing.batch_size * 1000 / timing.mean_ms)
+
+
+class FakeClock:
+    """A device timeline: each call of the timed function takes 3 ms of 'GPU' time."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.synchronized = 0
+        self.read_after_sync = []
+
+    def event_class(self):
+        clock = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.time = None
+
+            def record(self, stream):
+                assert stream == "stream"
+                self.time = clock.now
+
+            def elapsed_time(self, end):
+                clock.read_after_sync.append(clock.synchronized)
+                return end.time - self.time
+
+        return Event
+
+
+def test_cuda_path_uses_events_and_synchronises_once(monkeypatch):
+    clock = FakeClock()
+
+    class NoDevice:
+        def __init__(self, device):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def synchronize(device=None):
+        clock.synchronized += 1
+
+    monkeypatch.setattr(torch.cuda, "Event", clock.event_class())
+    monkeypatch.setattr(torch.cuda, "device", NoDevice)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+
+    def step():
+        clock.now += 3.0
+
+    timing = measure(step, warmup=4, iters=10, device="cuda:0", batch_size=2)
+    assert timing.method == bench.METHOD_CUDA_EVENTS
+    assert timing.device == "cuda:0"
+    assert timing.mean_ms == pytest.approx(3.0) and timing.p99_ms == pytest.approx(3.0)
+    assert timing.iterations == 10
+    # Once after the warm-up, once after the timed runs; none per iteration.
+    assert clock.synchronized == 2
+    assert clock.read_after_sync == [2] * 10
+    assert timing.throughput == pytest.approx(2 / 0.003)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_events_on_a_real_gpu():
+    a = torch.randn(1024, 1024, device="cuda")
+    timing = measure(torch.matmul, (a, a), warmup=5, iters=20)
+    assert timing.method == "cuda-events"
+    assert timing.device.startswith("cuda")
+    assert 0 < timing.min_ms <= timing.p50_ms <= timing.p99_ms <= timing.max_ms

@@ -1,0 +1,351 @@
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bladesmith.verify import (
+    Comparison,
+    Tolerance,
+    compare_detections,
+    compare_outputs,
+    compare_tensors,
+    default_tolerance,
+)
+
+
+def strict_json(data) -> str:
+    return json.dumps(data, allow_nan=False)
+
+
+# --- tolerances by dtype ---------------------------------------------------------------
+
+
+def test_default_tolerances_by_dtype():
+    assert default_tolerance(torch.float32) == (1e-4, 1e-5)
+    assert default_tolerance(torch.float16) == (1e-2, 1e-3)
+    assert default_tolerance(torch.bfloat16) == (5e-2, 1e-2)
+    assert default_tolerance(torch.complex64) == default_tolerance(torch.float32)
+    for exact in (torch.int64, torch.int32, torch.uint8, torch.bool):
+        assert default_tolerance(exact) == (0.0, 0.0)
+    eps = torch.finfo(torch.float8_e4m3fn).eps
+    assert default_tolerance(torch.float8_e4m3fn) == (10 * eps, eps)
+
+
+def test_fp16_noise_passes_with_fp16_default_but_not_with_fp32_tolerance():
+    reference = torch.randn(64, 75, generator=torch.Generator().manual_seed(0)) * 4
+    candidate = reference.half()  # rounding noise of a half-precision run
+    default = compare_tensors(reference, candidate)
+    assert default.passed, default.summary()
+    assert (default.rtol, default.atol) == default_tolerance(torch.float16)
+    strict = compare_tensors(reference, candidate, *default_tolerance(torch.float32))
+    assert not strict.passed
+    assert strict.out_of_tolerance > 0
+    assert strict.tolerance_ratio > 1
+    assert "out of tolerance" in strict.summary() and "its tolerance" in strict.summary()
+
+
+# --- statistics ------------------------------------------------------------------------
+
+
+def test_error_statistics_match_numpy():
+    rng = np.random.default_rng(1)
+    ref = rng.normal(size=(40, 120)).astype(np.float32)
+    ref[0, :5] = 0.0  # relative error is undefined there and left out
+    cand = ref + rng.normal(scale=3e-5, size=ref.shape).astype(np.float32)
+    result = compare_tensors(torch.from_numpy(ref), torch.from_numpy(cand))
+
+    abs_err = np.abs(cand.astype(np.float64) - ref.astype(np.float64))
+    nonzero = ref != 0
+    rel_err = abs_err[nonzero] / np.abs(ref.astype(np.float64))[nonzero]
+    assert result.numel == ref.size
+    assert result.max_abs == pytest.approx(abs_err.max())
+    assert result.mean_abs == pytest.approx(abs_err.mean())
+    assert result.p99_abs == pytest.approx(np.percentile(abs_err, 99))
+    assert result.max_rel == pytest.approx(rel_err.max())
+    assert result.mean_rel == pytest.approx(rel_err.mean())
+    assert result.p99_rel == pytest.approx(np.percentile(rel_err, 99))
+    expected_bad = int((~np.isclose(cand, ref, rtol=1e-4, atol=1e-5)).sum())
+    assert expected_bad > 0
+    assert result.out_of_tolerance == expected_bad
+    assert result.passed is False
+
+
+def test_tolerance_ratio_says_how_far_past_the_tolerance():
+    result = compare_tensors(torch.tensor([1.0, 2.0]), torch.tensor([1.0 + 3e-4, 2.0]))
+    # allowed at 1.0: atol 1e-5 + rtol 1e-4 * 1.0 = 1.1e-4
+    assert result.tolerance_ratio == pytest.approx(3e-4 / 1.1e-4, rel=1e-3)
+    assert result.out_of_tolerance == 1
+    assert "2.73x its tolerance" in result.summary()
+
+
+def test_explicit_tolerances_are_used_and_reported():
+    result = compare_tensors(torch.ones(10), torch.ones(10) * 1.05, rtol=0.1, atol=0.0)
+    assert result.passed
+    assert (result.rtol, result.atol) == (0.1, 0.0)
+    assert "rtol 0.1" in result.summary()
+    with pytest.raises(ValueError, match="tolerances must be >= 0"):
+        compare_tensors(torch.ones(1), torch.ones(1), rtol=-1)
+
+
+def test_integers_must_be_equal():
+    assert compare_tensors(torch.arange(6), torch.arange(6).int()).passed
+    result = compare_tensors(torch.arange(6), torch.tensor([0, 1, 2, 3, 4, 9]))
+    assert not result.passed
+    assert result.out_of_tolerance == 1
+    assert result.tolerance_ratio == math.inf
+    assert "1/6 differ" in result.summary()
+    assert result.to_dict()["tolerance_ratio"] is None
+
+
+def test_large_int64_values_compare_exactly():
+    big = torch.tensor([2**62 + 1], dtype=torch.int64)
+    assert not compare_tensors(big, big + 1).passed  # equal in float64, not in int64
+
+
+def test_nan_handling():
+    nan, inf = math.nan, math.inf
+    reference = torch.tensor([1.0, nan, inf, -inf])
+    assert compare_tensors(reference, reference.clone()).passed
+
+    moved_nan = compare_tensors(reference, torch.tensor([nan, 2.0, inf, -inf]))
+    assert not moved_nan.passed
+    assert moved_nan.nonfinite_mismatches == 2
+    assert moved_nan.out_of_tolerance == 2
+    assert "NaN/inf mismatches" in moved_nan.summary()
+
+    flipped_inf = compare_tensors(reference, torch.tensor([1.0, nan, -inf, -inf]))
+    assert not flipped_inf.passed
+    assert flipped_inf.nonfinite_mismatches == 1
+    strict_json(flipped_inf.to_dict())
+
+
+def test_shape_and_kind_mismatches_fail_with_reasons():
+    shape = compare_tensors(torch.zeros(2, 3), torch.zeros(3, 2))
+    assert not shape.passed
+    assert "shape [3, 2] differs from the reference's [2, 3]" in shape.summary()
+
+    kind = compare_tensors(torch.zeros(3), torch.zeros(3, dtype=torch.int64))
+    assert not kind.passed
+    assert "int64 is not comparable" in kind.summary()
+
+
+def test_empty_tensors_match():
+    result = compare_tensors(torch.zeros(0, 4), torch.zeros(0, 4))
+    assert result.passed and result.max_abs is None
+    strict_json(result.to_dict())
+
+
+def test_bf16_candidate_of_fp32_reference_uses_bf16_tolerance():
+    reference = torch.linspace(-3, 3, 500)
+    result = compare_tensors(reference, reference.bfloat16())
+    assert result.passed
+    assert (result.rtol, result.atol) == default_tolerance(torch.bfloat16)
+    assert result.to_dict()["dtype"] == "bfloat16"
+    assert result.to_dict()["reference_dtype"] == "float32"
+
+
+# --- detections ------------------------------------------------------------------------
+
+
+def make_detections(n=50, seed=0, num_classes=5):
+    g = torch.Generator().manual_seed(seed)
+    xy = torch.rand(n, 2, generator=g) * 500
+    wh = 20 + torch.rand(n, 2, generator=g) * 100
+    return {
+        "boxes": torch.cat([xy, xy + wh], dim=1),
+        "scores": torch.rand(n, generator=g),
+        "labels": torch.randint(0, num_classes, (n,), generator=g),
+    }
+
+
+def take(detections, index):
+    return {key: value[index] for key, value in detections.items()}
+
+
+def test_shuffled_detections_match_perfectly():
+    reference = [make_detections(seed=1), make_detections(seed=2)]
+    candidate = [take(d, torch.randperm(len(d["scores"]))) for d in reference]
+    result = compare_detections(reference, candidate)
+    assert result.passed, result.summary()
+    assert result.f1 == 1.0 and result.matched == 100
+    assert result.max_box_deviation == 0.0 and result.max_score_deviation == 0.0
+    assert result.mean_iou == pytest.approx(1.0)
+
+
+def test_small_box_and_score_deviations_are_reported():
+    reference = [make_detections()]
+    candidate = [dict(reference[0])]
+    candidate[0]["boxes"] = reference[0]["boxes"] + torch.tensor([0.5, 0.0, 0.0, -0.25])
+    candidate[0]["scores"] = reference[0]["scores"] + 5e-5
+    result = compare_detections(reference, candidate)
+    assert result.passed
+    assert result.max_box_deviation == pytest.approx(0.5)
+    assert result.max_score_deviation == pytest.approx(5e-5, rel=1e-2)
+    assert "max box dev 0.5 px" in result.summary()
+
+    too_far = compare_detections(reference, candidate, score_atol=1e-5)
+    assert not too_far.passed
+    assert "a matched score moved by 5e-5" in too_far.summary()
+    assert too_far.tolerance_ratio == pytest.approx(5.0, rel=1e-2)
+
+
+def test_shifted_boxes_fall_below_iou_and_fail():
+    reference = [make_detections()]
+    shifted = dict(reference[0], boxes=reference[0]["boxes"] + 15.0)
+    result = compare_detections(reference, [shifted])
+    assert not result.passed
+    assert result.f1 < 0.99
+    assert "below 0.99" in result.summary()
+
+
+def test_class_swap_does_not_match():
+    reference = [make_detections(n=10)]
+    swapped = dict(reference[0], labels=(reference[0]["labels"] + 1) % 5)
+    result = compare_detections(reference, [swapped])
+    assert not result.passed
+    assert result.matched == 0 and result.f1 == 0.0
+
+
+def test_one_missed_detection_in_many_is_within_min_f1():
+    reference = [make_detections(n=200)]
+    candidate = [take(reference[0], torch.arange(1, 200))]
+    result = compare_detections(reference, candidate)
+    assert result.recall == pytest.approx(199 / 200) and result.precision == 1.0
+    assert result.f1 == pytest.approx(2 * 0.995 / 1.995)
+    assert result.passed
+    assert not compare_detections(reference, candidate, min_f1=1.0).passed
+
+
+def test_matching_is_one_to_one():
+    reference = [take(make_detections(n=1), torch.tensor([0]))]
+    duplicate = [take(reference[0], torch.tensor([0, 0]))]
+    result = compare_detections(reference, duplicate)
+    assert result.matched == 1
+    assert result.precision == 0.5 and result.recall == 1.0
+
+
+def test_matching_stays_within_each_image():
+    first, second = make_detections(seed=3), make_detections(seed=4)
+    assert not compare_detections([first, second], [second, first]).passed
+
+
+def test_empty_detections():
+    empty = {"boxes": torch.zeros(0, 4), "scores": torch.zeros(0), "labels": torch.zeros(0)}
+    assert compare_detections([empty], [empty]).f1 == 1.0
+    missed = compare_detections([make_detections(n=3)], [empty])
+    assert not missed.passed and missed.recall == 0.0
+
+
+def test_nonfinite_candidate_detections_match_nothing():
+    reference = [make_detections(n=4)]
+    broken = dict(reference[0], scores=reference[0]["scores"].clone())
+    broken["scores"][0] = math.nan
+    result = compare_detections(reference, [broken], min_f1=0.5)
+    assert result.matched == 3
+    assert not result.passed
+    assert "1 candidate detections have NaN/inf" in result.summary()
+    strict_json(result.to_dict())
+
+
+def test_malformed_detections():
+    reference = [make_detections(n=3)]
+    with pytest.raises(ValueError, match=r"reference\[0\]: expected boxes \[n, 4\]"):
+        compare_detections([dict(reference[0], boxes=torch.zeros(3, 5))], reference)
+    result = compare_detections(reference, [{"boxes": torch.zeros(3, 4)}])
+    assert not result.passed
+    assert "candidate[0]: expected a dict with keys" in result.summary()
+    images = compare_detections(reference, reference * 2)
+    assert not images.passed and "2 images of detections" in images.summary()
+
+
+def test_default_score_tolerance_follows_the_scores_dtype():
+    reference = [make_detections()]
+    half = [{**reference[0], "scores": reference[0]["scores"].half()}]
+    result = compare_detections(reference, half)
+    rtol, atol = default_tolerance(torch.float16)
+    assert result.score_atol == pytest.approx(rtol + atol)
+    assert result.passed
+
+
+# --- structured outputs ----------------------------------------------------------------
+
+
+def test_nested_structures_are_compared_by_path():
+    reference = (torch.ones(3), {"boxes": torch.zeros(2, 4), "labels": torch.arange(2)})
+    candidate = (torch.ones(3), {"boxes": torch.zeros(2, 4) + 1, "labels": torch.arange(2)})
+    result = compare_outputs(reference, candidate)
+    assert isinstance(result, Comparison)
+    assert list(result.outputs) == ["out[0]", "out[1]['boxes']", "out[1]['labels']"]
+    assert not result.passed
+    assert result.summary().startswith("out[1]['boxes']: max abs 1")
+    data = result.to_dict()
+    assert data["outputs"]["out[1]['labels']"]["passed"] is True
+    strict_json(data)
+
+
+def test_detection_lists_inside_structures_use_detection_matching():
+    detections = [make_detections(seed=5)]
+    shuffled = [take(detections[0], torch.randperm(50))]
+    result = compare_outputs((detections, torch.ones(2)), (shuffled, torch.ones(2)))
+    assert result.passed, result.summary()
+    assert result.outputs["out[0]"].to_dict()["kind"] == "detections"
+    assert result.summary().startswith("all 2 outputs within tolerance")
+
+
+def test_structure_mismatches_fail_with_reasons():
+    cases = [
+        ((torch.ones(1), torch.ones(1)), (torch.ones(1),), "out: 1 items, the reference has 2"),
+        ({"a": torch.ones(1)}, {"b": torch.ones(1)}, "keys ['b'] differ"),
+        ({"a": torch.ones(1)}, [torch.ones(1)], "out: expected a dict, got list"),
+        ([torch.ones(1)], torch.ones(1), "out: expected a sequence, got Tensor"),
+        ((torch.ones(1),), ("x",), "out[0]: expected a tensor, got str"),
+        ((None, "a"), (None, "b"), "out[1]: 'b' differs"),
+    ]
+    for reference, candidate, reason in cases:
+        result = compare_outputs(reference, candidate)
+        assert not result.passed
+        assert reason in result.summary()
+        assert result.tolerance_ratio == math.inf
+
+
+def test_numbers_and_arrays_are_compared_as_tensors():
+    result = compare_outputs({"n": 3, "x": np.ones(2)}, {"n": 3, "x": np.ones(2)})
+    assert result.passed and len(result.outputs) == 2
+    with pytest.raises(TypeError, match="cannot compare outputs of type object"):
+        compare_outputs(object(), object())
+
+
+def test_per_output_tolerance_overrides():
+    reference = (torch.ones(4), {"logits": torch.ones(4)})
+    candidate = (torch.ones(4) * 1.01, {"logits": torch.ones(4) * 1.01})
+    assert not compare_outputs(reference, candidate).passed
+    assert not compare_outputs(reference, candidate, tolerances={0: Tolerance(rtol=0.05)}).passed
+    by_key = compare_outputs(
+        reference,
+        candidate,
+        tolerances={0: Tolerance(rtol=0.05), "logits": Tolerance(atol=0.02)},
+    )
+    assert by_key.passed
+    assert by_key.outputs["out[1]['logits']"].rtol == 1e-4  # default kept where not set
+    # The full path wins over the last key.
+    full = compare_outputs(
+        reference,
+        candidate,
+        rtol=0.05,
+        tolerances={"logits": Tolerance(rtol=0.05), "out[1]['logits']": Tolerance(rtol=1e-6)},
+    )
+    assert full.outputs["out[0]"].passed
+    assert not full.outputs["out[1]['logits']"].passed
+    with pytest.raises(ValueError, match=r"no output is named \['scores'\]"):
+        compare_outputs(reference, candidate, tolerances={"scores": Tolerance(rtol=1)})
+
+
+def test_fp16_outputs_against_fp32_reference():
+    g = torch.Generator().manual_seed(2)
+    reference = {"features": torch.randn(8, 256, generator=g), "count": torch.tensor(8)}
+    candidate = {"features": reference["features"].half(), "count": torch.tensor(8)}
+    result = compare_outputs(reference, candidate)
+    assert result.passed, result.summary()
+    assert result.outputs["out['features']"].rtol == 1e-2
