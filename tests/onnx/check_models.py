@@ -1,0 +1,172 @@
+"""Small hand-built ONNX models, one per `bladesmith check` rule, for the check/fix tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+h = onnx.helper
+FLOAT = onnx.TensorProto.FLOAT
+INT64 = onnx.TensorProto.INT64
+
+
+def model(nodes, inputs, outputs, initializers=(), opset=17, domains=()):
+    """A checked model: opset for the default domain, version 1 for each custom domain."""
+    graph = h.make_graph(nodes, "test", inputs, outputs, list(initializers))
+    opsets = [h.make_opsetid("", opset), *(h.make_opsetid(domain, 1) for domain in domains)]
+    built = h.make_model(graph, opset_imports=opsets)
+    built.ir_version = 9
+    if not domains:
+        onnx.checker.check_model(built, full_check=True)
+    return built
+
+
+def const(name, value, dtype=np.float32):
+    return onnx.numpy_helper.from_array(np.asarray(value, dtype=dtype), name)
+
+
+def image_input(static=False):
+    dims = [1, 3, 8, 8] if static else [1, 3, "H", "W"]
+    return h.make_tensor_value_info("x", FLOAT, dims)
+
+
+def float_resize_sizes(static=False, factor=2.0, rounding="Floor"):
+    """Conv -> Shape -> Cast(float) -> Mul(factor) -> Floor -> Cast(int64) -> Resize(sizes):
+    the float-into-shape pattern exporters emit for `interpolate(scale_factor=2)`."""
+    weight = np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32)
+    nodes = [
+        h.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        h.make_node("Shape", ["c"], ["s"], name="shape"),
+        h.make_node("Cast", ["s"], ["sf"], name="cast_f", to=FLOAT),
+        h.make_node("Mul", ["sf", "factor"], ["sm"], name="mul"),
+        h.make_node(rounding, ["sm"], ["sr"], name="round"),
+        h.make_node("Cast", ["sr"], ["si"], name="cast_i", to=INT64),
+        h.make_node("Resize", ["c", "", "", "si"], ["y"], name="resize", mode="nearest"),
+    ]
+    return model(
+        nodes,
+        [image_input(static)],
+        [h.make_tensor_value_info("y", FLOAT, [1, 4, None, None])],
+        [const("w", weight), const("factor", factor)],
+    )
+
+
+def half_size_constant_of_shape(rounding="Ceil"):
+    """Shape -> Cast(float) -> Div(2) -> Ceil|Floor -> Cast(int64) -> ConstantOfShape."""
+    nodes = [
+        h.make_node("Shape", ["x"], ["s"], name="shape"),
+        h.make_node("Cast", ["s"], ["sf"], name="cast_f", to=FLOAT),
+        h.make_node("Div", ["sf", "two"], ["sd"], name="div"),
+        h.make_node(rounding, ["sd"], ["sr"], name="round"),
+        h.make_node("Cast", ["sr"], ["si"], name="cast_i", to=INT64),
+        h.make_node("ConstantOfShape", ["si"], ["y"], name="fill", value=const("one", [1.0])),
+    ]
+    return model(
+        nodes,
+        [image_input()],
+        [h.make_tensor_value_info("y", FLOAT, [None, None, None, None])],
+        [const("two", 2.0)],
+    )
+
+
+def float_reshape_without_rounding():
+    """Shape -> Cast(float) -> Mul(1) -> Cast(int64) -> Reshape: only shape layers."""
+    nodes = [
+        h.make_node("Shape", ["x"], ["s"], name="shape"),
+        h.make_node("Cast", ["s"], ["sf"], name="cast_f", to=FLOAT),
+        h.make_node("Mul", ["sf", "one"], ["sm"], name="mul"),
+        h.make_node("Cast", ["sm"], ["si"], name="cast_i", to=INT64),
+        h.make_node("Reshape", ["x", "si"], ["y"], name="reshape"),
+    ]
+    return model(
+        nodes,
+        [image_input()],
+        [h.make_tensor_value_info("y", FLOAT, [1, 3, None, None])],
+        [const("one", 1.0)],
+    )
+
+
+def resize_scales_from_input():
+    """Resize whose float scales are a graph input."""
+    nodes = [h.make_node("Resize", ["x", "", "scales"], ["y"], name="resize", mode="nearest")]
+    return model(
+        nodes,
+        [image_input(static=True), h.make_tensor_value_info("scales", FLOAT, [4])],
+        [h.make_tensor_value_info("y", FLOAT, [None, None, None, None])],
+    )
+
+
+def plugin_feeds_reshape():
+    """A custom-domain node computes the shape that Reshape uses."""
+    nodes = [
+        h.make_node("TargetShape", ["x"], ["shape"], name="plugin", domain="my.plugins"),
+        h.make_node("Reshape", ["x", "shape"], ["y"], name="reshape"),
+    ]
+    return model(
+        nodes,
+        [image_input(static=True)],
+        [h.make_tensor_value_info("y", FLOAT, [None, None, None, None])],
+        domains=["my.plugins"],
+    )
+
+
+def relu(opset=17, static=True):
+    nodes = [h.make_node("Relu", ["x"], ["y"], name="relu")]
+    shape = [1, 3, 8, 8] if static else ["N", 3, 8, 8]
+    return model(
+        nodes,
+        [h.make_tensor_value_info("x", FLOAT, shape)],
+        [h.make_tensor_value_info("y", FLOAT, shape)],
+        opset=opset,
+    )
+
+
+def reduce_mean_opset18():
+    """ReduceMean with axes as an input: opset 18, above DirectML's 17."""
+    nodes = [h.make_node("ReduceMean", ["x", "axes"], ["y"], name="mean", keepdims=1)]
+    return model(
+        nodes,
+        [h.make_tensor_value_info("x", FLOAT, [1, 3, 8, 8])],
+        [h.make_tensor_value_info("y", FLOAT, [1, 3, 1, 1])],
+        [const("axes", [2, 3], np.int64)],
+        opset=18,
+    )
+
+
+def unique():
+    """Unique: CPU-only in ONNX Runtime, not in TensorRT, data-dependent output size."""
+    nodes = [h.make_node("Unique", ["x"], ["y"], name="unique", sorted=1)]
+    return model(
+        nodes,
+        [h.make_tensor_value_info("x", FLOAT, [6])],
+        [h.make_tensor_value_info("y", FLOAT, [None])],
+    )
+
+
+def int64_arithmetic():
+    """An INT64 input plus a constant beyond INT32, and a Slice whose end is INT64_MAX."""
+    big = np.iinfo(np.int64).max
+    nodes = [
+        h.make_node("Add", ["i", "big"], ["j"], name="add"),
+        h.make_node("Slice", ["j", "start", "end"], ["y"], name="slice"),
+    ]
+    return model(
+        nodes,
+        [h.make_tensor_value_info("i", INT64, [4])],
+        [h.make_tensor_value_info("y", INT64, [None])],
+        [
+            const("big", [2**40], np.int64),
+            const("start", [1], np.int64),
+            const("end", [big], np.int64),
+        ],
+    )
+
+
+def empty_tensor():
+    """A graph input with a zero-size dimension."""
+    nodes = [h.make_node("Relu", ["x"], ["y"], name="relu")]
+    return model(
+        nodes,
+        [h.make_tensor_value_info("x", FLOAT, [0, 4])],
+        [h.make_tensor_value_info("y", FLOAT, [0, 4])],
+    )
