@@ -1,0 +1,130 @@
+"""The `bladesmith` command line: help, and `bladesmith doctor` in text and JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bladesmith import checkup
+from bladesmith.checkup import DoctorResult, OpsStatus, Package, Pitfall, Tool, Toolchain
+from bladesmith.cli import main
+from bladesmith.devices import DeviceInfo
+
+
+def test_help_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["--help"])
+    assert stopped.value.code == 0
+    assert "doctor" in capsys.readouterr().out
+
+
+def test_help_does_not_import_torch():
+    code = (
+        "import sys; from bladesmith.cli import build_parser; build_parser().format_help(); "
+        "print(sorted({'torch', 'onnxruntime', 'rich'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_doctor_help_documents_the_exit_status(capsys):
+    with pytest.raises(SystemExit):
+        main(["doctor", "--help"])
+    assert "Exit status: 0 when no pitfall has severity error, 1 when" in capsys.readouterr().out
+
+
+def expected_exit(report: dict) -> int:
+    return 1 if any(pitfall["severity"] == "error" for pitfall in report["pitfalls"]) else 0
+
+
+def test_doctor_json_in_process(capsys):
+    code = main(["doctor", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) == {"platform", "packages", "devices", "providers", "toolchain", "pitfalls"}
+    assert code == expected_exit(report)
+
+
+def test_python_m_bladesmith_doctor_json():
+    done = subprocess.run(
+        [sys.executable, "-m", "bladesmith", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    report = json.loads(done.stdout)
+    assert report["devices"][-1]["name"] == "cpu"
+    assert done.returncode == expected_exit(report), done.stderr
+
+
+def test_doctor_exits_1_for_a_binary_pth_in_a_named_site_dir(tmp_path, capsys):
+    weights = tmp_path / "model.pth"
+    weights.write_bytes(b"\x80\x02}q\x00binary weights")
+    assert main(["doctor", "--json", "--site-dir", str(tmp_path)]) == 1
+    report = json.loads(capsys.readouterr().out)
+    [pitfall] = [p for p in report["pitfalls"] if p["id"] == "binary-pth"]
+    assert str(weights) in pitfall["message"] and "model.pt" in pitfall["fix"]
+
+
+def fake_result(*pitfalls: Pitfall) -> DoctorResult:
+    return DoctorResult(
+        platform="Linux-test",
+        packages=[
+            Package("torch", "2.11.0+cu130", "CUDA 13.0"),
+            Package("onnx", None),
+        ],
+        devices=[
+            DeviceInfo("cuda:0", "cuda", "NVIDIA H200", 141 * 2**30, "9.0"),
+            DeviceInfo("cpu", "cpu", "Fancy CPU", logical_cores=16, torch_threads=8),
+        ],
+        providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+        toolchain=Toolchain(
+            compiler=Tool("C++ compiler", "/usr/bin/c++", "c++ 12.2.0"),
+            ninja=Tool("ninja", None, None, "not on PATH"),
+            nvcc=Tool("nvcc", "/usr/local/cuda/bin/nvcc", "12.8.93"),
+            torch_cuda="13.0",
+            nvcc_cuda="12.8",
+            nvcc_matches_torch=False,
+            ops=OpsStatus(True, True, "/cache/[v1]/ops.so", True, "cached"),
+        ),
+        pitfalls=list(pitfalls),
+    )
+
+
+def test_doctor_table_shows_every_section(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "250")
+    warning = Pitfall("no-ninja", "warning", "ninja is missing", "pip install ninja")
+    monkeypatch.setattr(checkup, "doctor", lambda site_dirs: fake_result(warning))
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    for text in (
+        "2.11.0+cu130",
+        "not installed",
+        "NVIDIA H200",
+        "compute capability 9.0, 141.0 GiB",
+        "16 logical cores, torch threads 8",
+        "CUDAExecutionProvider, CPUExecutionProvider",
+        "does not match torch's CUDA 13.0",
+        "/cache/[v1]/ops.so",  # printed as text, not read as rich markup
+        "built, loads",
+        "no-ninja",
+        "pip install ninja",
+    ):
+        assert text in out, text
+
+
+def test_doctor_exit_status_follows_errors_only(monkeypatch, capsys):
+    error = Pitfall("torch-missing", "error", "torch is not installed", "install it")
+    monkeypatch.setattr(checkup, "doctor", lambda site_dirs: fake_result(error))
+    assert main(["doctor", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["pitfalls"][0]["id"] == "torch-missing"
+    monkeypatch.setattr(checkup, "doctor", lambda site_dirs: fake_result())
+    assert main(["doctor"]) == 0
+    assert "No pitfalls found." in capsys.readouterr().out
+
+
+def test_bare_command_prints_help_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().out
