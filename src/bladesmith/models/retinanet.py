@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bladesmith.models.images import sample_images
+from bladesmith.ops import load_library
 
 BACKBONES = ("resnet50", "resnet18")
 # Each level of a realistically loaded model keeps at least this many candidates over
@@ -120,6 +121,7 @@ class RetinaNetPipeline(nn.Module):
         super().__init__()
         _check_retinanet(model)
         height, width = _check_image_size(image_size)
+        load_library()  # forward calls torch.ops.bladesmith
         transform = model.transform
         self.backbone = model.backbone
         self.head = model.head
