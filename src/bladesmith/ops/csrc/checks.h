@@ -1,0 +1,176 @@
+// Input checks shared by every kernel (CPU, CUDA, fallback) of torch.ops.bladesmith.
+// Mirrored in ops/fake.py for tracing: keep the messages of both in step.
+// Errors name the argument and what was expected; shapes and values raise ValueError,
+// dtypes raise TypeError (c10::ValueError / c10::TypeError).
+//
+// Semantics every kernel shares (the CPU kernels in cpu/ are the reference):
+// - retinanet_decode: image b, level l owns output slots [slot_offsets[l], slot_offsets[l+1])
+//   and fills them from the front with its candidates (sigmoid score > score_threshold, the
+//   threshold rounded to the input dtype) by descending score, ties by lower flat index
+//   (anchor * C + class); remaining slots are padding (box 0, score 0, label -1).
+// - batched_nms: entries with a negative label (padding) or a NaN score are ignored; the rest
+//   is sorted by descending score, ties by lower slot index, suppressed greedily per label
+//   (IoU > iou_threshold, computed as torchvision does), and the first max_detections kept
+//   are written from slot 0.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace bladesmith {
+
+struct DecodeShape {
+  int64_t batch, num_anchors, num_classes, num_candidates;
+  std::vector<int64_t> level_offsets;  // anchor offset of each level, size L+1
+  std::vector<int64_t> level_topk;     // min(topk, N_l*C) per level
+  std::vector<int64_t> slot_offsets;   // first output slot of each level, size L+1
+  bool per_image_anchors;              // anchors are [B,N,4] rather than [N,4]
+};
+
+// Python's names, so that messages read the same as the fake kernels'.
+inline std::string dtype_name(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kDouble: return "float64";
+    case at::kLong: return "int64";
+    case at::kInt: return "int32";
+    default: return c10::toString(dtype);
+  }
+}
+
+inline bool is_supported_float(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
+}
+
+inline void check_rank(const at::Tensor& t, const char* name, int64_t rank, const char* layout) {
+  TORCH_CHECK_VALUE(t.dim() == rank, name, ": expected a ", rank, "-D tensor ", layout,
+                    ", got shape ", t.sizes());
+}
+
+inline void check_size(const at::Tensor& t, const char* name, int64_t dim, int64_t expected,
+                       const char* meaning, const char* layout) {
+  TORCH_CHECK_VALUE(t.size(dim) == expected, name, ": expected size ", expected, " (", meaning,
+                    ") in dimension ", dim, " of ", layout, ", got shape ", t.sizes());
+}
+
+inline void check_float(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(is_supported_float(t.scalar_type()), name,
+                   ": expected float32, float16 or bfloat16, got ", dtype_name(t.scalar_type()));
+}
+
+inline void check_same_dtype(const at::Tensor& t, const char* name, const at::Tensor& ref,
+                             const char* ref_name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), name, ": expected dtype ",
+                   dtype_name(ref.scalar_type()), " (the dtype of ", ref_name, "), got ",
+                   dtype_name(t.scalar_type()));
+}
+
+inline void check_dtype(const at::Tensor& t, const char* name, at::ScalarType expected) {
+  TORCH_CHECK_TYPE(t.scalar_type() == expected, name, ": expected dtype ", dtype_name(expected),
+                   ", got ", dtype_name(t.scalar_type()));
+}
+
+inline void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& ref,
+                              const char* ref_name) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), name, ": expected device ", ref.device(),
+                    " (the device of ", ref_name, "), got ", t.device());
+}
+
+inline DecodeShape check_decode_inputs(const at::Tensor& cls_logits, const at::Tensor& bbox_deltas,
+                                       const at::Tensor& anchors, at::IntArrayRef level_sizes,
+                                       const at::Tensor& image_sizes, double score_threshold,
+                                       int64_t topk_candidates, at::ArrayRef<double> weights,
+                                       double bbox_clip) {
+  check_rank(cls_logits, "cls_logits", 3, "[B, N, C]");
+  check_float(cls_logits, "cls_logits");
+  DecodeShape shape;
+  shape.batch = cls_logits.size(0);
+  shape.num_anchors = cls_logits.size(1);
+  shape.num_classes = cls_logits.size(2);
+
+  check_rank(bbox_deltas, "bbox_deltas", 3, "[B, N, 4]");
+  check_size(bbox_deltas, "bbox_deltas", 0, shape.batch, "B of cls_logits", "[B, N, 4]");
+  check_size(bbox_deltas, "bbox_deltas", 1, shape.num_anchors, "N of cls_logits", "[B, N, 4]");
+  check_size(bbox_deltas, "bbox_deltas", 2, 4, "box coordinates", "[B, N, 4]");
+  check_same_dtype(bbox_deltas, "bbox_deltas", cls_logits, "cls_logits");
+  check_same_device(bbox_deltas, "bbox_deltas", cls_logits, "cls_logits");
+
+  TORCH_CHECK_VALUE(anchors.dim() == 2 || anchors.dim() == 3,
+                    "anchors: expected a 2-D tensor [N, 4] or a 3-D tensor [B, N, 4], got shape ",
+                    anchors.sizes());
+  shape.per_image_anchors = anchors.dim() == 3;
+  const char* anchors_layout = shape.per_image_anchors ? "[B, N, 4]" : "[N, 4]";
+  const int64_t n_dim = shape.per_image_anchors ? 1 : 0;
+  if (shape.per_image_anchors) {
+    check_size(anchors, "anchors", 0, shape.batch, "B of cls_logits", anchors_layout);
+  }
+  check_size(anchors, "anchors", n_dim, shape.num_anchors, "N of cls_logits", anchors_layout);
+  check_size(anchors, "anchors", n_dim + 1, 4, "box coordinates", anchors_layout);
+  check_same_dtype(anchors, "anchors", cls_logits, "cls_logits");
+  check_same_device(anchors, "anchors", cls_logits, "cls_logits");
+
+  check_rank(image_sizes, "image_sizes", 2, "[B, 2]");
+  check_size(image_sizes, "image_sizes", 0, shape.batch, "B of cls_logits", "[B, 2]");
+  check_size(image_sizes, "image_sizes", 1, 2, "(height, width)", "[B, 2]");
+  check_dtype(image_sizes, "image_sizes", at::kLong);
+  check_same_device(image_sizes, "image_sizes", cls_logits, "cls_logits");
+
+  TORCH_CHECK_VALUE(!std::isnan(score_threshold), "score_threshold: expected a number, got nan");
+  TORCH_CHECK_VALUE(topk_candidates >= 0, "topk_candidates: expected a non-negative integer, got ",
+                    topk_candidates);
+  TORCH_CHECK_VALUE(weights.size() == 4, "weights: expected 4 values (wx, wy, ww, wh), got ",
+                    weights.size());
+  for (double w : weights) {
+    TORCH_CHECK_VALUE(std::isfinite(w) && w > 0, "weights: expected finite positive values, got ",
+                      weights);
+  }
+  TORCH_CHECK_VALUE(!std::isnan(bbox_clip), "bbox_clip: expected a number, got nan");
+
+  shape.level_offsets.reserve(level_sizes.size() + 1);
+  shape.level_topk.reserve(level_sizes.size());
+  shape.slot_offsets.reserve(level_sizes.size() + 1);
+  shape.level_offsets.push_back(0);
+  shape.slot_offsets.push_back(0);
+  for (int64_t n : level_sizes) {
+    TORCH_CHECK_VALUE(n >= 0, "level_sizes: expected non-negative sizes, got ", level_sizes);
+    shape.level_offsets.push_back(shape.level_offsets.back() + n);
+    const int64_t k = std::min(topk_candidates, n * shape.num_classes);
+    shape.level_topk.push_back(k);
+    shape.slot_offsets.push_back(shape.slot_offsets.back() + k);
+  }
+  shape.num_candidates = shape.slot_offsets.back();
+  TORCH_CHECK_VALUE(shape.level_offsets.back() == shape.num_anchors,
+                    "level_sizes: expected sizes that sum to N = ", shape.num_anchors,
+                    " (dimension 1 of cls_logits), got ", level_sizes, " (sum ",
+                    shape.level_offsets.back(), ")");
+  return shape;
+}
+
+inline void check_nms_inputs(const at::Tensor& boxes, const at::Tensor& scores,
+                             const at::Tensor& labels, double iou_threshold,
+                             int64_t max_detections) {
+  check_rank(boxes, "boxes", 3, "[B, K, 4]");
+  check_size(boxes, "boxes", 2, 4, "box coordinates", "[B, K, 4]");
+  check_float(boxes, "boxes");
+  check_rank(scores, "scores", 2, "[B, K]");
+  check_size(scores, "scores", 0, boxes.size(0), "B of boxes", "[B, K]");
+  check_size(scores, "scores", 1, boxes.size(1), "K of boxes", "[B, K]");
+  check_same_dtype(scores, "scores", boxes, "boxes");
+  check_same_device(scores, "scores", boxes, "boxes");
+  check_rank(labels, "labels", 2, "[B, K]");
+  check_size(labels, "labels", 0, boxes.size(0), "B of boxes", "[B, K]");
+  check_size(labels, "labels", 1, boxes.size(1), "K of boxes", "[B, K]");
+  check_dtype(labels, "labels", at::kLong);
+  check_same_device(labels, "labels", boxes, "boxes");
+  TORCH_CHECK_VALUE(!std::isnan(iou_threshold), "iou_threshold: expected a number, got nan");
+  TORCH_CHECK_VALUE(max_detections >= 0, "max_detections: expected a non-negative integer, got ",
+                    max_detections);
+}
+
+}  // namespace bladesmith
