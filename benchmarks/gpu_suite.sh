@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU machine's work in one command: build the operators with CUDA, then the steps
+# named (default: all of them). Logs and JSON go to $OUT (default ./out). Uses the
+# machine's own python3 and torch, and bladesmith from src/.
+#   bash benchmarks/gpu_suite.sh [ops-tests] [tests] [bench-ops] [bench-optimize]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-out}
+mkdir -p "$out"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export BLADESMITH_CACHE=${BLADESMITH_CACHE:-/tmp/bladesmith-cache} MAX_JOBS=${MAX_JOBS:-16}
+steps=${*:-ops-tests tests bench-ops bench-optimize}
+status=0
+step() {  # step NAME COMMAND...: run it, log to $out/NAME.log, remember a failure
+    local name=$1; shift
+    echo "=== $name: $*"
+    local start=$SECONDS
+    "$@" 2>&1 | tee "$out/$name.log" | tail -n 60
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: exit $rc after $((SECONDS - start)) s"
+    [ "$rc" -eq 0 ] || status=1
+}
+pytest=(python3 -m pytest -q -ra -p no:cacheprovider)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | tee "$out/gpu.txt"
+step build python3 -m bladesmith ops build --cuda
+for s in $steps; do
+    case $s in
+        ops-tests) step ops-tests "${pytest[@]}" tests/ops tests/models ;;
+        tests) step tests "${pytest[@]}" tests --ignore=tests/ops --ignore=tests/models ;;
+        bench-ops)
+            step bench-ops-fp32 python3 benchmarks/bench_postprocess.py --json "$out/bench_postprocess_fp32.json"
+            step bench-ops-fp16 python3 benchmarks/bench_postprocess.py --dtype float16 --json "$out/bench_postprocess_fp16.json" ;;
+        bench-optimize) step bench-optimize python3 benchmarks/bench_optimize.py --json "$out/bench_optimize.json" ;;
+        *) echo "unknown step $s"; status=1 ;;
+    esac
+done
+exit $status
