@@ -87,3 +87,14 @@ def test_errors_name_the_argument(model):
         RetinaNetPipeline(model, (0, 5))
     with pytest.raises(ValueError, match="backbone must be one of"):
         build_retinanet(SIZE, backbone="vgg")
+
+
+def test_half_network_keeps_float32_postprocessing(model):
+    import copy
+
+    pipeline = RetinaNetPipeline(copy.deepcopy(model), (48, 80)).to(torch.bfloat16)
+    assert pipeline.anchors.dtype == torch.float32 and pipeline.box_scale.dtype == torch.float32
+    assert next(pipeline.parameters()).dtype == torch.bfloat16
+    with torch.no_grad():
+        boxes, scores, _, _ = pipeline(sample_images(1, (48, 80), dtype=torch.bfloat16))
+    assert boxes.dtype == torch.float32 and scores.dtype == torch.float32
