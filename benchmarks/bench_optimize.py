@@ -1,0 +1,205 @@
+"""RetinaNet R50-FPN end to end: torchvision eager vs torch.compile vs bladesmith.optimize.
+
+    python benchmarks/bench_optimize.py --json bench.json                  # GPU, batch 1 and 32
+    python benchmarks/bench_optimize.py --device cpu --threads 2 --batches 1
+
+Every row maps images already on the device to detections (torchvision's list of dicts;
+"padded" rows return the fixed-shape tensors instead). The model has random weights
+calibrated to a trained model's post-processing load (``build_retinanet(realistic_load=
+True)``) and sees real photographs. Detections are compared with eager float32's:
+F1 over matches of the same class at IoU >= 0.9. Prints one table; ``--json`` writes
+the rows, the optimize reports and the versions.
+
+Targets (H200, 3x480x640): batch 1 optimized >= 10x eager and >= 8x torch.compile at
+F1 >= 0.99; batch 32 >= 3,000 images/s. CPU (2 cores): optimized >= 1.8x eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import bladesmith
+from bladesmith.bench import measure
+from bladesmith.models.images import sample_images
+from bladesmith.models.retinanet import build_retinanet
+from bladesmith.verify import compare_detections
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = bladesmith.devices.resolve_device(args.device)
+    model = build_retinanet(args.input_size, weights=args.weights).to(device)
+    rows, reports = [], {}
+    for batch in args.batches:
+        images = list(sample_images(batch, args.input_size, device=device))
+        warmup, iters = (
+            (args.warmup, args.iters) if batch == 1 else (args.warmup_large, args.iters_large)
+        )
+        timed = Timer(warmup, iters, device, batch)
+        with torch.no_grad():
+            reference = model(images)
+        found = [timed("eager fp32", model, images, reference)]
+        if device.type == "cuda" or args.compile_cpu:
+            compiled = torch.compile(model, dynamic=False)
+            found.append(timed("torch.compile", compiled, images, reference, build=True))
+        started = time.perf_counter()
+        optimized, spec, report = bladesmith.optimize(
+            model,
+            level=args.level,
+            device=device,
+            test_data=[(images,)],
+            config=bladesmith.Config(warmup=warmup, iters=iters, progress=True),
+        )
+        built_s = time.perf_counter() - started
+        found.append(timed(f"bladesmith {args.level}", optimized, images, reference))
+        found[-1]["build_s"] = built_s
+        found[-1]["passes"] = list(spec.passes)
+        if spec.output == "detections":
+            padded = optimized.as_padded()
+            found.append(timed(f"bladesmith {args.level} (padded)", padded, images, None))
+        relate(found)
+        rows += found
+        reports[str(batch)] = report.to_dict()
+        del optimized
+    print_table(rows, device, args)
+    if args.json:
+        write_json(args.json, rows, reports, device, args)
+
+
+class Timer:
+    """Times one callable on the images and scores its detections against eager fp32's."""
+
+    def __init__(self, warmup: int, iters: int, device, batch: int):
+        self.warmup, self.iters, self.device, self.batch = warmup, iters, device, batch
+
+    def __call__(self, name, fn, images, reference, build=False) -> dict:
+        started = time.perf_counter()
+        with torch.no_grad():
+            outputs = fn(images)  # the first call builds what is lazy (compilation)
+        first_call_s = time.perf_counter() - started
+        with torch.no_grad():
+            timing = measure(
+                fn,
+                (images,),
+                warmup=self.warmup,
+                iters=self.iters,
+                device=self.device,
+                batch_size=self.batch,
+            )
+        row = {"name": name, "batch": self.batch, "timing": timing.to_dict()}
+        if build:
+            row["build_s"] = first_call_s
+        if reference is not None:
+            comparison = compare_detections(reference, outputs)
+            row["f1"] = comparison.f1
+            row["accuracy"] = comparison.summary()
+        print(f"{name}, batch {self.batch}: {timing.p50_ms:.3f} ms (p50)", flush=True)
+        return row
+
+
+def relate(rows: list[dict]) -> None:
+    """Speedups against eager and against torch.compile, at the same batch size."""
+    by_name = {row["name"]: row["timing"]["mean_ms"] for row in rows}
+    for row in rows:
+        mean = row["timing"]["mean_ms"]
+        row["vs_eager"] = by_name["eager fp32"] / mean
+        if "torch.compile" in by_name:
+            row["vs_compile"] = by_name["torch.compile"] / mean
+
+
+def print_table(rows, device, args) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    height, width = args.input_size
+    table = Table(
+        title=f"RetinaNet R50-FPN, 3x{height}x{width}, realistic load, on {device_name(device)}",
+        title_justify="left",
+    )
+    for column in ("Variant", "Batch", "Mean ms", "p50 ms", "p99 ms", "Images/s"):
+        table.add_column(column, justify="left" if column == "Variant" else "right")
+    for column in ("vs eager", "vs compile", "F1", "Build s"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        timing = row["timing"]
+        table.add_row(
+            row["name"],
+            str(row["batch"]),
+            f"{timing['mean_ms']:.3f}",
+            f"{timing['p50_ms']:.3f}",
+            f"{timing['p99_ms']:.3f}",
+            f"{timing['throughput']:.0f}",
+            f"{row['vs_eager']:.2f}x",
+            f"{row['vs_compile']:.2f}x" if "vs_compile" in row else "-",
+            f"{row['f1']:.4f}" if "f1" in row else "-",
+            f"{row['build_s']:.1f}" if "build_s" in row else "-",
+        )
+    console = Console(width=140)
+    console.print(table)
+    for row in rows:
+        if "passes" in row:
+            console.print(f"{row['name']}, batch {row['batch']}: kept {', '.join(row['passes'])}")
+
+
+def device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({torch.get_num_threads()} threads)"
+
+
+def write_json(path, rows, reports, device, args) -> None:
+    from bladesmith.report import software_context
+
+    data = {
+        "device": device_name(device),
+        "input_size": list(args.input_size),
+        "level": args.level,
+        "software": software_context(),
+        "rows": rows,
+        "reports": reports,
+    }
+    Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
+
+
+def parse_args() -> argparse.Namespace:
+    from bladesmith.engine_cli import input_size
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--level", default="o1", choices=("o0", "o1", "o2"))
+    parser.add_argument("--input-size", type=input_size, default=(480, 640), metavar="HxW")
+    parser.add_argument(
+        "--batches",
+        type=lambda text: [int(b) for b in text.split(",")],
+        default=None,
+        help="comma-separated batch sizes (default: 1,32 on a GPU, 1 on a CPU)",
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="batch 1 (default 20; CPU 2)")
+    parser.add_argument("--iters", type=int, default=None, help="batch 1 (default 100; CPU 10)")
+    parser.add_argument("--warmup-large", type=int, default=5, help="larger batches")
+    parser.add_argument("--iters-large", type=int, default=30, help="larger batches")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (the CPU target: 2)")
+    parser.add_argument("--compile-cpu", action="store_true", help="also torch.compile on a CPU")
+    parser.add_argument("--weights", help="local state dict for the model (default: random)")
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    args = parser.parse_args()
+    on_gpu = bladesmith.devices.resolve_device(args.device).type == "cuda"
+    if args.batches is None:
+        args.batches = [1, 32] if on_gpu else [1]
+    if args.warmup is None:
+        args.warmup = 20 if on_gpu else 2
+    if args.iters is None:
+        args.iters = 100 if on_gpu else 10
+    return args
+
+
+if __name__ == "__main__":
+    main()

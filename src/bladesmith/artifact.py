@@ -1,0 +1,286 @@
+"""The optimized artifact: in memory (``OptimizedModule``) and on disk (``save``/``load``).
+
+``save`` writes what the optimized module computes, without Python code:
+- ``.pt2``: an AOTInductor package (``torch.export`` of the fixed-shape module, then
+  ``torch._inductor.aoti_compile_and_package``), the default on a GPU;
+- ``.pt``: frozen TorchScript (``torch.jit.trace`` + ``torch.jit.freeze``);
+- ``.onnx``: ONNX for ONNX Runtime on the CPU (what the onnxruntime pass runs).
+All keep bladesmith's metadata (device, output form), so ``load`` gives back the same
+call signature and output structure. Files are written to a temporary name beside the
+target, then renamed: a crash never leaves half a file. Custom operators are loaded
+(``bladesmith.ops.load_library()``) before the artifact, which refers to them by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from bladesmith.errors import BladesmithError
+from bladesmith.passes.onnxruntime import cpu_runner, export_onnx
+from bladesmith.passes.torchscript import freeze, quiet_torchscript
+from bladesmith.spec import AOTI_SUFFIX, SAVE_FORMATS, TORCHSCRIPT_SUFFIX, Spec
+
+METADATA_KEY = "bladesmith"  # AOTInductor metadata key / TorchScript extra file stem
+_TORCHSCRIPT_EXTRA = f"{METADATA_KEY}.json"
+
+
+class OptimizedModule(nn.Module):
+    """A drop-in replacement for the model given to ``optimize``: same call, same
+    output structure. Inputs are moved to the module's device; grad is off.
+
+    For a detector (``padded_detections``) the fast path maps a batch [B, 3, H, W] to
+    padded (boxes, scores, labels, num_detections); ``output="native"`` returns
+    torchvision's list of {boxes, scores, labels} dicts from a list of images (or a
+    batch), ``output="padded"`` the padded tensors themselves (see ``as_padded``).
+
+    The module is fixed to the device, dtype and input shapes it was optimized for:
+    converting it (``.to``, ``.half``, ...) is refused; optimize again instead.
+    ``spec`` describes it; ``bladesmith.save`` writes it to disk.
+    """
+
+    def __init__(
+        self,
+        run: Callable,
+        *,
+        device: torch.device | str,
+        padded_detections: bool = False,
+        output: str = "native",
+        spec: Spec | None = None,
+        candidate=None,
+        example_args: tuple | None = None,
+    ):
+        from bladesmith.models.retinanet import DetectionsAsList
+
+        super().__init__()
+        self._run = run
+        self.device = torch.device(device)
+        self.padded_detections = padded_detections
+        self.output = output
+        self.spec = spec
+        self.candidate = candidate  # the engine's Candidate; None for a loaded artifact
+        self.example_args = example_args  # inputs in the fast path's form, for save()
+        # Registered, so that parameters() and state_dict() show the weights.
+        self.module = candidate.module if candidate is not None else None
+        self._as_list = DetectionsAsList(self._run_padded) if padded_detections else None
+
+    @classmethod
+    def from_candidate(cls, candidate, *, spec=None, output="native", example_args=None):
+        return cls(
+            candidate,
+            device=candidate.device,
+            padded_detections=candidate.padded_detections,
+            output=output,
+            spec=spec,
+            candidate=candidate,
+            example_args=example_args,
+        )
+
+    def as_padded(self) -> OptimizedModule:
+        """The same optimized detector returning padded tensors: ``forward(images
+        [B, 3, H, W] or list) -> (boxes [B, D, 4], scores [B, D], labels [B, D] int64,
+        num_detections [B] int64)``; slots past num_detections are padding (score 0,
+        label -1). One fixed shape and no host synchronisation: for serving and
+        capture."""
+        if not self.padded_detections:
+            raise BladesmithError("as_padded(): this optimized module is not a detector")
+        return type(self)(
+            self._run,
+            device=self.device,
+            padded_detections=True,
+            output="padded",
+            spec=self.spec,
+            candidate=self.candidate,
+            example_args=self.example_args,
+        )
+
+    def forward(self, *args, **kwargs):
+        args, kwargs = pytree.tree_map(self._to_device, (args, kwargs))
+        with torch.no_grad():
+            if not self.padded_detections:
+                return self._run(*args, **kwargs)
+            if self.output == "padded":
+                return self._run_padded(*args, **kwargs)
+            return self._as_list(*args, **kwargs)
+
+    def _run_padded(self, images):
+        if not (isinstance(images, torch.Tensor) and images.dim() == 4):
+            images = torch.stack(list(images))
+        return self._run(images)
+
+    def _to_device(self, value):
+        if isinstance(value, torch.Tensor) and value.device != self.device:
+            return value.to(self.device)
+        return value
+
+    def _apply(self, fn, recurse=True):
+        raise BladesmithError(
+            f"an optimized module is fixed to {self.device} and the dtypes it was "
+            "optimized for (its compiled kernels and CUDA graphs would be stale); "
+            "optimize the original model again for another device or dtype"
+        )
+
+    def extra_repr(self) -> str:
+        backend = self.spec.backend if self.spec else "loaded"
+        return f"device={self.device}, backend={backend}, output={self.output}"
+
+
+def save(optimized: OptimizedModule, path: str | os.PathLike, *, inductor_configs=None) -> Path:
+    """Write ``optimized`` (from ``bladesmith.optimize``) to ``path`` and return it.
+
+    The suffix picks the format: ``.pt2`` (AOTInductor package; ``inductor_configs``
+    are passed to ``aoti_compile_and_package``, e.g. ``{"max_autotune": True}``),
+    ``.pt`` (frozen TorchScript) or ``.onnx`` (ONNX Runtime, CPU).
+    ``optimized.spec.save_formats`` lists those that apply; the first is the one
+    closest to what runs in memory.
+    """
+    path = Path(path)
+    if not isinstance(optimized, OptimizedModule) or optimized.candidate is None:
+        raise BladesmithError(
+            "save: expected the module returned by bladesmith.optimize, got "
+            f"{type(optimized).__name__} (a loaded artifact is already saved: copy its file)"
+        )
+    formats = optimized.spec.save_formats
+    if path.suffix not in formats:
+        known = ", ".join(f"{suffix} ({SAVE_FORMATS[suffix]})" for suffix in formats)
+        raise BladesmithError(f"save: path {str(path)!r} must end with one of: {known}")
+    module, args = optimized.candidate.module, optimized.example_args
+    metadata = _metadata(optimized)
+    if path.suffix == AOTI_SUFFIX:
+        exported = torch.export.export(module, args, strict=False)
+        configs = {
+            **(inductor_configs or {}),
+            "aot_inductor.metadata": {METADATA_KEY: json.dumps(metadata)},
+        }
+        _write_atomically(
+            path,
+            lambda temporary: torch._inductor.aoti_compile_and_package(
+                exported, package_path=str(temporary), inductor_configs=configs
+            ),
+        )
+    elif path.suffix == TORCHSCRIPT_SUFFIX:
+        frozen = freeze(module, args)
+        extra = {_TORCHSCRIPT_EXTRA: json.dumps(metadata)}
+        with quiet_torchscript():
+            _write_atomically(
+                path, lambda temporary: torch.jit.save(frozen, str(temporary), _extra_files=extra)
+            )
+    else:
+        _write_atomically(path, lambda temporary: _write_onnx(module, args, temporary, metadata))
+    return path
+
+
+def load(path: str | os.PathLike) -> OptimizedModule:
+    """The artifact ``save`` wrote, as a module with the optimized module's call and
+    outputs. bladesmith's custom operators are loaded first."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"load: no file {str(path)!r}")
+    if path.suffix not in SAVE_FORMATS:
+        known = ", ".join(SAVE_FORMATS)
+        raise BladesmithError(f"load: {str(path)!r} has an unknown suffix; expected {known}")
+    ops_error = _load_custom_ops()
+    try:
+        if path.suffix == AOTI_SUFFIX:
+            run = torch._inductor.aoti_load_package(str(path))
+            metadata = run.get_metadata().get(METADATA_KEY)
+        elif path.suffix == TORCHSCRIPT_SUFFIX:
+            extra = {_TORCHSCRIPT_EXTRA: ""}
+            with quiet_torchscript():
+                run = torch.jit.load(str(path), _extra_files=extra)
+            metadata = extra[_TORCHSCRIPT_EXTRA] or None
+        else:
+            run, metadata = _read_onnx(path)
+    except (RuntimeError, OSError, BladesmithError) as error:
+        hint = f" (bladesmith's custom operators did not load: {ops_error})" if ops_error else ""
+        raise BladesmithError(f"load: cannot load {str(path)!r}: {error}{hint}") from error
+    if metadata is None:
+        raise BladesmithError(
+            f"load: {str(path)!r} has no bladesmith metadata: it was not written by "
+            "bladesmith.save (load it with torch.jit.load, aoti_load_package or "
+            "bladesmith.onnx.session)"
+        )
+    info = json.loads(metadata)
+    return OptimizedModule(
+        run,
+        device=info["device"],
+        padded_detections=info["padded_detections"],
+        output=info["output"],
+        spec=Spec.from_dict(info["spec"]),
+    )
+
+
+def _metadata(optimized: OptimizedModule) -> dict:
+    from bladesmith import __version__
+
+    return {
+        "bladesmith_version": __version__,
+        "torch_version": torch.__version__,
+        "device": str(optimized.device),
+        "padded_detections": optimized.padded_detections,
+        "output": optimized.output,
+        "spec": optimized.spec.to_dict(),
+    }
+
+
+def _write_onnx(module, args: tuple, path: Path, metadata: dict) -> None:
+    """Export to ONNX with bladesmith's metadata, and the output structure that
+    ONNX's flat list of outputs is unflattened into."""
+    import onnx
+
+    output_spec = export_onnx(module, args, path)
+    model = onnx.load(str(path))
+    entry = model.metadata_props.add()
+    entry.key = METADATA_KEY
+    entry.value = json.dumps({**metadata, "output_spec": pytree.treespec_dumps(output_spec)})
+    onnx.save(model, str(path))
+
+
+def _read_onnx(path: Path) -> tuple[Callable, str | None]:
+    import onnx
+
+    properties = onnx.load(str(path), load_external_data=False).metadata_props
+    metadata = next((p.value for p in properties if p.key == METADATA_KEY), None)
+    if metadata is None:
+        return None, None
+    output_spec = pytree.treespec_loads(json.loads(metadata)["output_spec"])
+    return cpu_runner(path, output_spec), metadata
+
+
+def _load_custom_ops() -> Exception | None:
+    """Load bladesmith's operator library; the error if it cannot be (an artifact that
+    needs no custom operator still loads)."""
+    from bladesmith.errors import OpsBuildError
+
+    try:
+        from bladesmith import ops
+
+        ops.load_library()
+    except (ImportError, OpsBuildError) as error:
+        return error
+    return None
+
+
+def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(temporary)`` to a temporary file beside ``path`` (same suffix: some
+    writers check it), then rename it to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
+    os.close(handle)
+    temporary = Path(name)
+    try:
+        write(temporary)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)  # mkstemp's 0600 -> what a new file gets
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,119 @@
+"""Config: the settings of ``optimize``, as an argument or as a context manager.
+
+    with bladesmith.Config(exclude=["channels_last"], iters=50):
+        optimized, spec, report = bladesmith.optimize(model, test_data=data)
+
+``optimize(config=...)`` wins over the innermost ``with Config(...)``, which wins over the
+defaults. Levels: o0 changes no numerical precision; o1 adds fp16/bf16, kept only when
+the outputs stay within tolerance; o2 adds what takes longer to build (Inductor's
+max-autotune, Inductor on the CPU).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from dataclasses import dataclass, field
+
+LEVELS = ("o0", "o1", "o2")
+OUTPUT_FORMS = ("native", "padded")
+
+_current: contextvars.ContextVar[Config | None] = contextvars.ContextVar(
+    "bladesmith_config", default=None
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    """What ``optimize`` tries and how it decides.
+
+    Accuracy: ``rtol``/``atol`` override the per-dtype tolerances of
+    ``bladesmith.verify.default_tolerance`` for tensor outputs; detections match when
+    F1 >= ``min_f1`` at IoU >= ``iou_threshold``, same class.
+    ``disable_fp16_accuracy_check`` keeps fp16/bf16 even when it moves the outputs past
+    tolerance (the report still shows by how much).
+    Timing: ``warmup``/``iters`` default per device (None: CUDA 20/100, CPU 3/10); a pass
+    is kept only if it is at least ``min_speedup`` times faster than the best so far.
+    Passes: ``include`` adds passes that the level leaves out, ``exclude`` removes
+    passes; both by name (see ``bladesmith.passes.registry.names()``).
+    ``output="padded"`` makes a detector's optimized module take one batch tensor
+    [B, 3, H, W] and return (boxes, scores, labels, num_detections) padded to a fixed
+    size, instead of torchvision's list of dicts.
+    ``progress``: show a spinner during long steps; None shows it on a terminal.
+    """
+
+    rtol: float | None = None
+    atol: float | None = None
+    iou_threshold: float = 0.9
+    min_f1: float = 0.99
+    disable_fp16_accuracy_check: bool = False
+    warmup: int | None = None
+    iters: int | None = None
+    min_speedup: float = 1.03
+    include: tuple[str, ...] = field(default_factory=tuple)
+    exclude: tuple[str, ...] = field(default_factory=tuple)
+    output: str = "native"
+    progress: bool | None = None
+
+    def __post_init__(self):
+        for name in ("include", "exclude"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = (value,)
+            object.__setattr__(self, name, tuple(value))
+        overlap = set(self.include) & set(self.exclude)
+        if overlap:
+            raise ValueError(f"Config: passes both included and excluded: {sorted(overlap)}")
+        for name in ("rtol", "atol"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"Config.{name} must be >= 0, got {value!r}")
+        if not 0 < self.iou_threshold <= 1:
+            raise ValueError(f"Config.iou_threshold must be in (0, 1], got {self.iou_threshold!r}")
+        if not 0 <= self.min_f1 <= 1:
+            raise ValueError(f"Config.min_f1 must be in [0, 1], got {self.min_f1!r}")
+        if self.warmup is not None and (not isinstance(self.warmup, int) or self.warmup < 0):
+            raise ValueError(f"Config.warmup must be an integer >= 0, got {self.warmup!r}")
+        if self.iters is not None and (not isinstance(self.iters, int) or self.iters < 1):
+            raise ValueError(f"Config.iters must be an integer >= 1, got {self.iters!r}")
+        if self.min_speedup <= 0:
+            raise ValueError(f"Config.min_speedup must be > 0, got {self.min_speedup!r}")
+        if self.output not in OUTPUT_FORMS:
+            raise ValueError(
+                f"Config.output must be one of {', '.join(OUTPUT_FORMS)}, got {self.output!r}"
+            )
+
+    def __enter__(self) -> Config:
+        # A stack of tokens, so that one Config may be entered again while active;
+        # object.__setattr__ because the dataclass is frozen (this is bookkeeping).
+        object.__setattr__(self, "_tokens", [*getattr(self, "_tokens", []), _current.set(self)])
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        _current.reset(self._tokens.pop())
+
+    @classmethod
+    def current(cls) -> Config:
+        """The innermost ``with Config(...)``'s settings, or the defaults."""
+        return _current.get() or cls()
+
+    def replace(self, **changes) -> Config:
+        return dataclasses.replace(self, **changes)
+
+    def timing_counts(self, device_type: str) -> tuple[int, int]:
+        """(warm-up, timed iterations) for a device: enough to be stable on a GPU, few
+        enough that a 2-core CPU finishes a detector in minutes."""
+        warmup, iters = (20, 100) if device_type == "cuda" else (3, 10)
+        return (
+            self.warmup if self.warmup is not None else warmup,
+            self.iters if self.iters is not None else iters,
+        )
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def check_level(level: str) -> str:
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
+    return level

@@ -1,0 +1,317 @@
+"""`bladesmith optimize`, `bladesmith bench` and `bladesmith demo`.
+
+    bladesmith optimize torchvision:retinanet_resnet50_fpn --device cuda --out rn.pt2
+    bladesmith optimize model.pt --input-size 224x224 --batch 8 --report report.json
+    bladesmith bench rn.pt2 rn.pt
+    bladesmith demo
+
+Only argparse is imported here; torch and the engine are imported when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+BUILTIN_MODELS = {
+    # name -> build_retinanet(backbone=...)
+    "torchvision:retinanet_resnet50_fpn": "resnet50",
+    "torchvision:retinanet_resnet18_fpn": "resnet18",  # same detector, a lighter backbone
+}
+DEFAULT_MODEL = "torchvision:retinanet_resnet50_fpn"
+DEFAULT_INPUT_SIZE = (480, 640)
+# A 2-core CPU takes seconds per call of the full detector: the demo times few runs there.
+DEMO_CPU_TIMING = (1, 3)
+
+
+def add_parser(subparsers) -> None:
+    optimize = subparsers.add_parser(
+        "optimize",
+        help="optimize a model: baseline, passes, verified result, report",
+        description=(
+            "Optimize the built-in RetinaNet (random weights unless --weights) or a "
+            "TorchScript (.pt) / torch.export (.pt2) file on sample photographs, print the "
+            "report, and optionally save the result (--out)."
+        ),
+    )
+    optimize.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"{' or '.join(BUILTIN_MODELS)}, or a .pt/.pt2 file (default: {DEFAULT_MODEL})",
+    )
+    optimize.add_argument(
+        "--weights", metavar="FILE", help="state dict for the built-in model (local file)"
+    )
+    _add_run_options(optimize)
+    optimize.add_argument(
+        "--out",
+        metavar="PATH",
+        help="save the optimized model: .pt2 (AOTInductor) or .pt (TorchScript)",
+    )
+    optimize.set_defaults(func=run_optimize)
+
+    demo = subparsers.add_parser(
+        "demo",
+        help="optimize the built-in RetinaNet on the best device here and print the report",
+        description=(
+            "The main job in one command: torchvision's RetinaNet (ResNet-50 FPN, random "
+            "weights calibrated to a trained model's load) on a real photograph, optimized "
+            "for the best device here. On a CPU, candidates are timed with 1 warm-up and 3 "
+            "runs (--warmup/--iters for more)."
+        ),
+    )
+    _add_run_options(demo)
+    demo.add_argument("--out", metavar="PATH", help="save the optimized model (.pt2 or .pt)")
+    demo.set_defaults(func=run_demo, model=DEFAULT_MODEL, weights=None)
+
+    bench = subparsers.add_parser(
+        "bench",
+        help="time saved artifacts side by side",
+        description=(
+            "Load each artifact written by bladesmith (optimize --out), run it on "
+            "photographs of the shape it was built for, and print one table: latency, "
+            "throughput, speedup over the first, and agreement of outputs with the first's."
+        ),
+    )
+    bench.add_argument("artifacts", nargs="+", metavar="ARTIFACT", help=".pt2 or .pt files")
+    bench.add_argument("--warmup", type=_positive_or_zero, help="warm-up runs (default: device's)")
+    bench.add_argument("--iters", type=_positive, help="timed runs (default: device's)")
+    bench.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    bench.set_defaults(func=run_bench)
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device", default="auto", help="auto, cuda, cuda:N, cpu, ... (default: auto)"
+    )
+    parser.add_argument(
+        "--level",
+        default="o1",
+        choices=("o0", "o1", "o2"),
+        help="o0: no precision change; o1: + fp16/bf16 if accurate; o2: + longer builds",
+    )
+    parser.add_argument(
+        "--input-size",
+        type=input_size,
+        default=DEFAULT_INPUT_SIZE,
+        metavar="HxW",
+        help="image height x width (default: 480x640)",
+    )
+    parser.add_argument("--batch", type=_positive, default=1, help="images per call")
+    parser.add_argument("--warmup", type=_positive_or_zero, help="warm-up runs per candidate")
+    parser.add_argument("--iters", type=_positive, help="timed runs per candidate")
+    parser.add_argument(
+        "--exclude", action="append", default=[], metavar="PASS", help="skip a pass (repeatable)"
+    )
+    parser.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="PASS",
+        help="try a pass the level leaves out (repeatable)",
+    )
+    parser.add_argument("--report", metavar="PATH", help="write the report as JSON")
+    parser.add_argument("--chart", metavar="PATH", help="write a PNG chart of latency per pass")
+
+
+def input_size(text: str) -> tuple[int, int]:
+    try:
+        height, width = (int(side) for side in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HxW, e.g. 480x640; got {text!r}") from None
+    if height <= 0 or width <= 0:
+        raise argparse.ArgumentTypeError(f"sides must be positive; got {text!r}")
+    return height, width
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1; got {text!r}")
+    return value
+
+
+def _positive_or_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}")
+    return value
+
+
+def run_optimize(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    import bladesmith
+    from bladesmith.devices import resolve_device
+
+    device = resolve_device(args.device)
+    model, test_data = _model_and_inputs(args)
+    config = bladesmith.Config(
+        warmup=args.warmup,
+        iters=args.iters,
+        include=tuple(args.include),
+        exclude=tuple(args.exclude),
+        progress=True,
+    )
+    optimized, spec, report = bladesmith.optimize(
+        model, level=args.level, device=device, test_data=test_data, config=config
+    )
+    console = Console()
+    report.render(console)
+    if args.report:
+        report.to_json(args.report)
+        console.print(f"report: {args.report}")
+    if args.chart:
+        report.save_chart(args.chart)
+        console.print(f"chart: {args.chart}")
+    if args.out:
+        with Console(stderr=True).status(f"saving {args.out}"):
+            bladesmith.save(optimized, args.out)
+        console.print(f"saved: {args.out} (load with bladesmith.load)")
+    else:
+        console.print(f"to save: {spec.save_hint}, or --out PATH")
+    accurate = (report.accuracy or {}).get("passed", False)
+    return 0 if accurate else 1
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from bladesmith.devices import resolve_device
+
+    device = resolve_device(args.device)
+    height, width = args.input_size
+    lines = [
+        f"bladesmith demo: {DEFAULT_MODEL} on {device}, {args.batch} photograph(s) from "
+        f"scikit-image resized to {height}x{width}, level {args.level}.",
+    ]
+    if device.type == "cpu" and args.iters is None:
+        args.warmup = DEMO_CPU_TIMING[0] if args.warmup is None else args.warmup
+        args.iters = DEMO_CPU_TIMING[1]
+        lines.append(
+            f"CPU: each candidate is timed with {args.warmup} warm-up and {args.iters} "
+            "runs to keep the demo short (--warmup/--iters for more)."
+        )
+    Console(stderr=True).print("\n".join(lines), highlight=False)
+    return run_optimize(args)
+
+
+def _model_and_inputs(args: argparse.Namespace):
+    """The model to optimize and its test data: photographs of --input-size, --batch of
+    them (a list for the built-in detector, one batch tensor for a model file)."""
+    from pathlib import Path
+
+    from bladesmith.errors import BladesmithError
+    from bladesmith.models.images import sample_images
+    from bladesmith.models.retinanet import build_retinanet
+
+    images = sample_images(args.batch, args.input_size)
+    if args.model in BUILTIN_MODELS:
+        model = build_retinanet(
+            args.input_size, weights=args.weights, backbone=BUILTIN_MODELS[args.model]
+        )
+        return model, [(list(images),)]
+    if args.weights:
+        raise BladesmithError("--weights applies to the built-in models, not to model files")
+    if not Path(args.model).is_file():
+        raise BladesmithError(
+            f"model {args.model!r}: neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
+            "nor an existing .pt/.pt2 file"
+        )
+    return args.model, [(images,)]
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from bladesmith.artifact import _write_atomically
+
+    measured = [_bench_one(path, args.warmup, args.iters) for path in args.artifacts]
+    rows = [row for row, _ in measured]
+    reference = measured[0]
+    for row, outputs in measured[1:]:
+        row["agreement"] = _agreement(reference, (row, outputs))
+    table = Table(title="Artifacts", title_justify="left")
+    for column in ("Artifact", "Device", "Dtype", "Passes", "Input"):
+        table.add_column(column)
+    for column in ("Mean ms", "p50 ms", "p99 ms", "Items/s", "Speedup"):
+        table.add_column(column, justify="right")
+    table.add_column("Outputs against the first's", overflow="fold")
+    for row in rows:
+        timing = row["timing"]
+        table.add_row(
+            row["artifact"],
+            row["device"],
+            row["dtype"],
+            ", ".join(row["passes"]) or "-",
+            "x".join(map(str, row["input_shape"])),
+            f"{timing['mean_ms']:.2f}",
+            f"{timing['p50_ms']:.2f}",
+            f"{timing['p99_ms']:.2f}",
+            f"{timing['throughput']:.1f}",
+            f"{rows[0]['timing']['p50_ms'] / timing['p50_ms']:.2f}x",
+            row.get("agreement", "(reference)"),
+        )
+    Console().print(table)
+    if args.json:
+        text = json.dumps(rows, indent=2) + "\n"
+        _write_atomically(Path(args.json), lambda path: path.write_text(text))
+    return 0
+
+
+def _bench_one(path: str, warmup: int | None, iters: int | None) -> tuple[dict, object]:
+    """Time one artifact on photographs of its input shape: (table row, its outputs)."""
+    import torch
+
+    import bladesmith
+    from bladesmith.bench import measure
+    from bladesmith.config import Config
+    from bladesmith.errors import BladesmithError
+    from bladesmith.models.images import sample_images
+
+    artifact = bladesmith.load(path)
+    spec = artifact.spec
+    shape = spec.input_shapes[0]
+    if len(spec.input_shapes) != 1 or len(shape) != 4 or shape[1] != 3:
+        raise BladesmithError(
+            f"bench: {path} takes inputs of shapes {[list(s) for s in spec.input_shapes]}; "
+            "bench feeds one batch of images [B, 3, H, W]"
+        )
+    images = sample_images(shape[0], tuple(shape[2:]), device=artifact.device)
+    inputs = (list(images),) if spec.output == "detections" else (images,)
+    warmup, iters = Config(warmup=warmup, iters=iters).timing_counts(artifact.device.type)
+    with torch.no_grad():
+        outputs = artifact(*inputs)
+        timing = measure(artifact, inputs, warmup=warmup, iters=iters, batch_size=shape[0])
+    row = {
+        "artifact": path,
+        "device": spec.device,
+        "dtype": spec.dtype,
+        "passes": list(spec.passes),
+        "input_shape": list(shape),
+        "timing": timing.to_dict(),
+    }
+    return row, outputs
+
+
+def _agreement(reference: tuple[dict, object], other: tuple[dict, object]) -> str:
+    """One line: do the outputs match, at the looser tolerance of the two dtypes."""
+    import torch
+
+    from bladesmith.verify import compare_outputs, default_tolerance
+
+    (reference_row, reference_outputs), (row, outputs) = reference, other
+    if reference_row["input_shape"] != row["input_shape"]:
+        return "not compared: another input shape"
+    rtol, atol = max(
+        (default_tolerance(getattr(torch, r["dtype"])) for r in (reference_row, row)),
+        key=lambda tolerance: tolerance[0],
+    )
+    comparison = compare_outputs(
+        reference_outputs, outputs, rtol=rtol, atol=atol, score_atol=rtol + atol
+    )
+    return ("match: " if comparison.passed else "DIFFER: ") + comparison.summary()

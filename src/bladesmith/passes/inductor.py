@@ -1,0 +1,50 @@
+"""torch.compile with Inductor: fused kernels for the whole model, shapes fixed.
+
+Inductor's own CUDA graphs are off (mode "default" or "max-autotune-no-cudagraphs"):
+the cuda_graph pass captures the whole call instead, input copies included, so one
+graph replays everything from image to boxes. Freezing is on: the weights become
+constants, so Inductor folds (frozen) batch norms into convolutions and picks the
+weights' layout once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bladesmith.passes.candidate import Candidate
+from bladesmith.passes.registry import Context, Pass, register
+
+# Inductor's C++ build of a whole detector takes minutes on a small CPU; worth it only
+# when asked for a longer build.
+_CPU_LEVELS = ("o2",)
+
+
+def compile_mode(level: str) -> str:
+    """o2 autotunes kernels (GEMM/convolution templates; minutes of build), o0/o1 not."""
+    return "max-autotune-no-cudagraphs" if level == "o2" else "default"
+
+
+@register
+class Inductor(Pass):
+    """torch.compile (Inductor), static shapes, frozen weights; max-autotune at o2."""
+
+    name = "inductor"
+
+    def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
+        if isinstance(candidate.module, torch.jit.ScriptModule):
+            return "torch.compile cannot trace TorchScript modules; give optimize the nn.Module"
+        if context.device.type == "cpu" and context.level not in _CPU_LEVELS:
+            return "Inductor's C++ build takes minutes on a CPU; it runs at level o2"
+        return None
+
+    def apply(self, candidate: Candidate, context: Context) -> Candidate:
+        mode = compile_mode(context.level)
+        compiled = torch.compile(candidate.module, mode=mode, dynamic=False)
+        # Inductor reads its config when it compiles, on the first call.
+        with (
+            context.step(f"compiling with Inductor (mode={mode})"),
+            torch._inductor.config.patch(freezing=True),
+            torch.no_grad(),
+        ):
+            compiled(*candidate.runner_args(context.example_args))
+        return candidate.with_runner(compiled, self.name)

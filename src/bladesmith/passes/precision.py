@@ -1,0 +1,82 @@
+"""fp16 and bf16: run the model in half precision, kept only if the outputs stay close.
+
+The model's floating-point parameters and buffers, and its floating-point inputs, are
+cast to the half type; its floating-point outputs are cast back to float32, so callers
+see the dtype they had. bf16 (wider range, fewer mantissa bits) is tried only when fp16
+was not kept, for models whose activations overflow fp16.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from bladesmith.passes.candidate import Candidate
+from bladesmith.passes.registry import Context, Pass, register
+
+
+class CastFloats(nn.Module):
+    """``module`` running in ``dtype``: casts floating inputs to it, outputs to ``output_dtype``."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, output_dtype: torch.dtype):
+        super().__init__()
+        self.module = module
+        self.dtype = dtype
+        self.output_dtype = output_dtype
+
+    def forward(self, *args, **kwargs):
+        args, kwargs = pytree.tree_map(lambda x: _cast(x, self.dtype), (args, kwargs))
+        return pytree.tree_map(lambda x: _cast(x, self.output_dtype), self.module(*args, **kwargs))
+
+
+def _cast(value, dtype: torch.dtype):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    return value
+
+
+@register
+class Float16(Pass):
+    """Half precision (fp16) weights and activations, gated by the accuracy check."""
+
+    name = "fp16"
+    levels = ("o1", "o2")
+    devices = ("cuda",)  # CPUs have no fp16 matrix units: it is slower there
+    changes_precision = True
+    dtype = torch.float16
+
+    def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
+        if candidate.dtype != torch.float32:
+            return f"the model already computes in {_name(candidate.dtype)}"
+        if isinstance(candidate.module, torch.jit.ScriptModule):
+            return "TorchScript modules keep their dtypes; give optimize the nn.Module"
+        if not any(p.is_floating_point() for p in candidate.module.parameters()):
+            return "the model has no floating-point parameters"
+        return None
+
+    def apply(self, candidate: Candidate, context: Context) -> Candidate:
+        module = copy.deepcopy(candidate.module).to(self.dtype)
+        wrapped = CastFloats(module, self.dtype, output_dtype=candidate.dtype)
+        return candidate.with_module(wrapped, self.name, dtype=self.dtype)
+
+
+@register
+class BFloat16(Float16):
+    """bfloat16 weights and activations, tried when fp16 was not kept (overflow, accuracy)."""
+
+    name = "bf16"
+    dtype = torch.bfloat16
+
+    def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
+        if Float16.name in context.kept:
+            return "fp16 was kept; bf16 is tried only when fp16 is not"
+        if context.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            return f"{torch.cuda.get_device_name(context.device)} has no bf16 support"
+        return super().skip_reason(candidate, context)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,110 @@
+"""The pass registry: what a pass is, and the ordered list of those that exist.
+
+A pass is a small class: ``name``, the ``levels`` that include it, the ``devices``
+(kinds: "cuda", "cpu", ...) it runs on, an optional ``skip_reason`` for candidates it
+does not apply to, and ``apply(candidate, context) -> candidate``. ``apply`` returns a
+new candidate and leaves the one it was given untouched (the engine may keep it). It
+raises ``PassSkipped`` when it finds out late that it does not apply (a dependency is
+missing); any other exception marks the pass failed. The engine verifies and times the
+result; passes never judge themselves.
+
+Passes run in registration order; ``bladesmith.passes`` imports them in that order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from bladesmith.config import LEVELS, Config
+from bladesmith.passes.candidate import Candidate
+
+
+class PassSkipped(Exception):
+    """The pass does not apply here; the message says why (it goes in the report)."""
+
+
+@dataclass
+class Context:
+    """What a pass may know about the run beyond its candidate."""
+
+    device: torch.device
+    level: str
+    config: Config
+    example_args: tuple  # the first test input, as the user calls the model, on device
+    test_args: list[tuple] = field(default_factory=list)  # every test input, the same way
+    kept: list[str] = field(default_factory=list)  # passes kept so far, in order
+    notes: list[str] = field(default_factory=list)  # diagnosis lines passes add
+    # step(description) -> context manager that shows progress during a long step
+    step: Callable[[str], contextlib.AbstractContextManager] = lambda _: contextlib.nullcontext()
+
+
+class Pass:
+    """Base of every pass. Subclasses set the class attributes and ``apply``."""
+
+    name: ClassVar[str]
+    levels: ClassVar[tuple[str, ...]] = LEVELS
+    devices: ClassVar[tuple[str, ...]] = ("cuda", "cpu")
+    # Passes that change numerical precision are the ones the accuracy-check waiver
+    # (Config.disable_fp16_accuracy_check) applies to.
+    changes_precision: ClassVar[bool] = False
+    # An enabler is kept when accurate even if it is not faster by itself, because the
+    # passes after it need what it does (fixed shapes for compilation and CUDA graphs).
+    # If nothing after it pays off, the engine falls back to the fastest result.
+    enabler: ClassVar[bool] = False
+
+    def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
+        """Why this pass does not apply to ``candidate``, or None when it does."""
+        return None
+
+    def apply(self, candidate: Candidate, context: Context) -> Candidate:
+        raise NotImplementedError(f"pass {self.name} does not implement apply()")
+
+    @classmethod
+    def summary(cls) -> str:
+        """The first line of the pass's docstring."""
+        return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+
+
+_REGISTRY: dict[str, type[Pass]] = {}
+
+
+def register(cls: type[Pass]) -> type[Pass]:
+    """Class decorator: add a pass to the registry, after those registered before it."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{cls.__name__}: a pass needs a non-empty string `name`")
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+        raise ValueError(f"a pass named {name!r} is already registered ({_REGISTRY[name]})")
+    unknown = set(cls.levels) - set(LEVELS)
+    if unknown:
+        raise ValueError(f"pass {name}: unknown levels {sorted(unknown)}; levels are {LEVELS}")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def names() -> list[str]:
+    """Every registered pass's name, in the order passes run."""
+    _load_builtin_passes()
+    return list(_REGISTRY)
+
+
+def create_all() -> list[Pass]:
+    """A fresh instance of every registered pass, in order."""
+    _load_builtin_passes()
+    return [cls() for cls in _REGISTRY.values()]
+
+
+def describe() -> Iterator[tuple[str, tuple[str, ...], tuple[str, ...], str]]:
+    """(name, levels, devices, summary) of every registered pass, in order."""
+    _load_builtin_passes()
+    for name, cls in _REGISTRY.items():
+        yield name, cls.levels, cls.devices, cls.summary()
+
+
+def _load_builtin_passes() -> None:
+    import bladesmith.passes  # noqa: F401  (registers the built-in passes, in order)

@@ -1,0 +1,60 @@
+"""Spec: what ``optimize`` produced, in a few fields (PAI-Blade returns one too).
+
+It says where the optimized module runs (device, dtype), on what (the input shapes it
+was built and verified for), what it returns, which passes shaped it, and how to save
+it. ``to_dict()`` is JSON-ready.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# Save formats (``bladesmith.save`` picks one by the file's suffix).
+AOTI_SUFFIX = ".pt2"  # AOTInductor package: compiled kernels, loads without Python code
+TORCHSCRIPT_SUFFIX = ".pt"  # frozen TorchScript
+ONNX_SUFFIX = ".onnx"  # ONNX, run by ONNX Runtime on the CPU
+SAVE_FORMATS = {
+    AOTI_SUFFIX: "AOTInductor package (torch.export + aoti_compile_and_package)",
+    TORCHSCRIPT_SUFFIX: "frozen TorchScript (torch.jit.trace + freeze)",
+    ONNX_SUFFIX: "ONNX for ONNX Runtime on the CPU (bladesmith.onnx.export)",
+}
+
+OUTPUT_DETECTIONS = "detections"  # torchvision's list of {boxes, scores, labels} dicts
+OUTPUT_PADDED = "padded"  # (boxes [B, D, 4], scores [B, D], labels [B, D], num_detections [B])
+OUTPUT_AS_MODEL = "as the model"  # whatever the model returned
+
+
+@dataclass(frozen=True)
+class Spec:
+    device: str
+    dtype: str  # the arithmetic's dtype; float outputs are returned as float32 regardless
+    input_shapes: tuple[tuple[int, ...], ...]  # tensors the fast path was built for
+    output: str  # OUTPUT_DETECTIONS, OUTPUT_PADDED or OUTPUT_AS_MODEL
+    passes: tuple[str, ...]  # kept, in the order they apply
+    backend: str  # what runs: "eager" or the pass that built the runner
+    save_formats: tuple[str, ...]  # suffixes ``bladesmith.save`` can write this module as
+
+    @property
+    def save_hint(self) -> str:
+        if not self.save_formats:
+            return "this module cannot be saved (TorchScript input: save it with torch.jit.save)"
+        suffix = self.save_formats[0]
+        return f'bladesmith.save(optimized, "model{suffix}"): {SAVE_FORMATS[suffix]}'
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Spec:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {name: value for name, value in data.items() if name in fields}
+        values["input_shapes"] = tuple(tuple(shape) for shape in values["input_shapes"])
+        values["passes"] = tuple(values["passes"])
+        values["save_formats"] = tuple(values["save_formats"])
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["input_shapes"] = [list(shape) for shape in self.input_shapes]
+        data["passes"] = list(self.passes)
+        data["save_formats"] = list(self.save_formats)
+        data["save_hint"] = self.save_hint
+        return data

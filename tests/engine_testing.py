@@ -1,0 +1,40 @@
+"""Helpers shared by the engine's tests: a small detector and a pass that makes any
+candidate fast, so that what the engine keeps does not depend on the machine's load."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+from bladesmith.passes import Pass
+
+IMAGE_SIZE = (128, 160)
+
+
+def tiny_detector():
+    """A RetinaNet (ResNet-18 FPN, 3 classes) at IMAGE_SIZE with a realistic load, and
+    one photograph for it."""
+    from bladesmith.models.images import sample_images
+    from bladesmith.models.retinanet import build_retinanet
+
+    model = build_retinanet(IMAGE_SIZE, backbone="resnet18", num_classes=3)
+    return model, list(sample_images(1, IMAGE_SIZE))
+
+
+class Memoized(Pass):
+    """Runs the candidate once on the example input and returns copies of those outputs
+    from then on: accurate on that input and far faster than anything real, so every
+    pass before it is kept whatever the timing noise of a shared machine."""
+
+    name = "memoized"
+
+    def apply(self, candidate, context):
+        with torch.no_grad():
+            outputs = candidate(*candidate.runner_args(context.example_args))
+
+        def replay(*args, **kwargs):
+            return pytree.tree_map(
+                lambda x: x.clone() if isinstance(x, torch.Tensor) else x, outputs
+            )
+
+        return candidate.with_runner(replay, self.name, wraps=True)

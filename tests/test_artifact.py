@@ -1,0 +1,136 @@
+"""save()/load(): TorchScript and AOTInductor artifacts give the optimized module's outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import bladesmith
+from bladesmith.config import Config
+from bladesmith.errors import BladesmithError
+from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
+from bladesmith.verify import compare_detections
+from engine_testing import Memoized, tiny_detector
+
+QUICK = Config(warmup=0, iters=1)
+
+
+def cuda(test):
+    """GPU-only: marked `cuda` (pytest -m cuda) and skipped where there is none."""
+    needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+    return pytest.mark.cuda(needs_gpu(test))
+
+
+def optimized_net():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    x = torch.randn(2, 3, 8, 8)
+    optimized, spec, _ = bladesmith.optimize(
+        model, device="cpu", test_data=[(x,)], config=QUICK, passes=[]
+    )
+    return optimized, spec, x
+
+
+@pytest.fixture(scope="module")
+def detector():
+    model, photos = tiny_detector()
+    optimized, spec, _ = bladesmith.optimize(
+        model,
+        device="cpu",
+        test_data=[(photos,)],
+        config=QUICK,
+        passes=[RetinaNetAdapter(), Memoized()],
+    )
+    return optimized, spec, photos
+
+
+def test_torchscript_round_trip_keeps_outputs_and_spec(tmp_path):
+    optimized, spec, x = optimized_net()
+    path = bladesmith.save(optimized, tmp_path / "net.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["net.pt"]  # no temporary left
+    loaded = bladesmith.load(path)
+    torch.testing.assert_close(loaded(x), optimized(x))
+    assert loaded.spec == spec
+
+
+def test_torchscript_detector_round_trip_returns_detections(tmp_path, detector):
+    optimized, spec, photos = detector
+    assert spec.passes == ("retinanet_adapter", "memoized")
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "detector.pt"))
+    expected = optimized(photos)
+    got = loaded(photos)
+    assert isinstance(got, list) and set(got[0]) == {"boxes", "scores", "labels"}
+    assert compare_detections(expected, got).passed
+    boxes, _, _, count = loaded.as_padded()(torch.stack(photos))
+    assert count.tolist() == [len(got[0]["scores"])]
+
+
+def test_onnx_round_trip_keeps_the_output_structure(tmp_path):
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 2, 3)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return {"features": y, "pooled": (y.mean(dim=(2, 3)),)}
+
+    x = torch.randn(2, 3, 8, 8)
+    optimized, spec, _ = bladesmith.optimize(
+        Heads(), device="cpu", test_data=[(x,)], config=QUICK, passes=[]
+    )
+    assert ".onnx" in spec.save_formats
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "heads.onnx"))
+    expected, got = optimized(x), loaded(x)
+    torch.testing.assert_close(got["features"], expected["features"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got["pooled"][0], expected["pooled"][0], rtol=1e-4, atol=1e-5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["heads.onnx"]
+
+
+def test_aoti_package_round_trip_on_cpu(tmp_path):
+    optimized, spec, x = optimized_net()
+    assert ".pt2" in spec.save_formats
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt2"))
+    torch.testing.assert_close(loaded(x), optimized(x), rtol=1e-4, atol=1e-5)
+    assert loaded.spec.passes == spec.passes and loaded.device == torch.device("cpu")
+
+
+@cuda
+def test_aoti_detector_round_trip_on_gpu(tmp_path):
+    model, photos = tiny_detector()
+    optimized, spec, _ = bladesmith.optimize(
+        model, device="cuda", test_data=[(photos,)], config=QUICK
+    )
+    assert spec.save_formats[0] == ".pt2"
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "detector.pt2"))
+    assert compare_detections(optimized(photos), loaded(photos)).passed
+
+
+def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    optimized, _, _ = optimized_net()
+
+    def broken_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch.jit, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        bladesmith.save(optimized, tmp_path / "net.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_and_load_errors_say_what_is_wrong(tmp_path):
+    optimized, _, _ = optimized_net()
+    with pytest.raises(BladesmithError, match="must end with one of: .pt "):
+        bladesmith.save(optimized, tmp_path / "net.bin")
+    with pytest.raises(BladesmithError, match="module returned by bladesmith.optimize"):
+        bladesmith.save(nn.Linear(2, 2), tmp_path / "net.pt")
+    with pytest.raises(FileNotFoundError, match="no file"):
+        bladesmith.load(tmp_path / "missing.pt")
+    foreign = tmp_path / "foreign.pt"
+    torch.jit.save(torch.jit.script(nn.Linear(2, 2)), str(foreign))
+    with pytest.raises(BladesmithError, match="no bladesmith metadata"):
+        bladesmith.load(foreign)
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt"))
+    with pytest.raises(BladesmithError, match="module returned by bladesmith.optimize"):
+        bladesmith.save(loaded, tmp_path / "again.pt")

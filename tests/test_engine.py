@@ -1,0 +1,287 @@
+"""The engine loop and Config, with toy models and toy passes (fast, CPU)."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import bladesmith
+from bladesmith.config import Config
+from bladesmith.passes import Candidate, Pass, PassSkipped
+
+# Sleeps make speed differences that no machine load can invert.
+SLOW_S = 0.03
+QUICK = Config(warmup=0, iters=3)
+
+
+class Sleepy(nn.Module):
+    """A small MLP that sleeps ``delay`` seconds per call; returns (tensor, dict)."""
+
+    def __init__(self, delay: float = SLOW_S):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.delay = delay
+
+    def forward(self, x):
+        if self.delay:
+            time.sleep(self.delay)
+        y = self.linear(x)
+        return y, {"sum": y.sum(dim=1)}
+
+
+def with_delay(module: nn.Module, delay: float) -> nn.Module:
+    copied = copy.deepcopy(module)
+    copied.delay = delay
+    return copied
+
+
+class Faster(Pass):
+    name = "faster"
+
+    def apply(self, candidate, context):
+        return candidate.with_module(with_delay(candidate.module, 0.0), self.name)
+
+
+class Slower(Pass):
+    name = "slower"
+
+    def apply(self, candidate, context):
+        return candidate.with_module(with_delay(candidate.module, 2 * SLOW_S), self.name)
+
+
+class Noisy(Pass):
+    """Faster, but perturbs the weights far past float32 tolerance."""
+
+    name = "noisy"
+    changes_precision = True
+
+    def apply(self, candidate, context):
+        module = with_delay(candidate.module, 0.0)
+        with torch.no_grad():
+            module.linear.weight.add_(0.1)
+        return candidate.with_module(module, self.name, dtype=torch.float16)
+
+
+class Broken(Pass):
+    name = "broken"
+
+    def apply(self, candidate, context):
+        raise RuntimeError("kernel exploded")
+
+
+class NotHere(Pass):
+    name = "not_here"
+
+    def apply(self, candidate, context):
+        raise PassSkipped("needs a dependency that is missing")
+
+
+class LevelTwo(Faster):
+    name = "level_two"
+    levels = ("o2",)
+
+
+class GpuOnly(Faster):
+    name = "gpu_only"
+    devices = ("cuda",)
+
+
+def run(passes, model=None, config=QUICK, level="o1"):
+    model = model or Sleepy()
+    data = [(torch.randn(2, 4),), (torch.randn(5, 4),)]
+    return bladesmith.optimize(
+        model, level=level, device="cpu", test_data=data, config=config, passes=passes
+    )
+
+
+def statuses(report) -> dict[str, str]:
+    return {record.name: record.status for record in report.optimizations}
+
+
+def test_faster_pass_is_kept_and_slower_one_rejected_with_numbers():
+    optimized, spec, report = run([Faster(), Slower()])
+    faster, slower = report.optimizations
+    assert (faster.status, slower.status) == ("kept", "rejected")
+    assert faster.speedup > 5 and faster.post_run < faster.pre_run
+    assert "outputs within tolerance" in faster.reason
+    assert slower.post_run > slower.pre_run and "below the 1.03x" in slower.reason
+    assert spec.passes == ("faster",) and spec.backend == "eager"
+    assert report.overall["speedup"] > 5
+    assert report.accuracy["passed"]
+
+
+def test_inaccurate_pass_is_rejected_untimed_with_the_error():
+    _, spec, report = run([Noisy()])
+    (record,) = report.optimizations
+    assert record.status == "rejected"
+    assert "past tolerance" in record.reason
+    assert record.post_run is None and not record.accuracy["passed"]
+    assert spec.passes == () and spec.dtype == "float32"
+
+
+def test_disable_fp16_accuracy_check_keeps_an_inaccurate_precision_pass():
+    config = QUICK.replace(disable_fp16_accuracy_check=True)
+    _, spec, report = run([Noisy()], config=config)
+    (record,) = report.optimizations
+    assert record.status == "kept" and "accuracy check disabled" in record.reason
+    assert not record.accuracy["passed"]
+    assert spec.dtype == "float16"
+
+
+def test_failing_and_skipping_passes_are_recorded_and_do_not_stop_the_run():
+    _, spec, report = run([Broken(), NotHere(), Faster()])
+    broken, not_here, faster = report.optimizations
+    assert broken.status == "failed" and "RuntimeError: kernel exploded" in broken.reason
+    assert not_here.status == "skipped" and "dependency" in not_here.reason
+    assert faster.status == "kept"
+    assert spec.passes == ("faster",)
+
+
+def test_levels_devices_include_and_exclude_decide_what_runs():
+    _, _, report = run([LevelTwo(), GpuOnly(), Faster()], config=QUICK.replace(exclude=["faster"]))
+    records = {record.name: record for record in report.optimizations}
+    assert records["level_two"].status == "skipped"
+    assert "not part of level o1" in records["level_two"].reason
+    assert records["gpu_only"].status == "skipped" and "cuda" in records["gpu_only"].reason
+    assert records["faster"].status == "skipped" and "excluded" in records["faster"].reason
+
+    _, _, report = run([LevelTwo()], config=QUICK.replace(include=["level_two"]))
+    assert statuses(report) == {"level_two": "kept"}
+
+
+def test_unknown_pass_names_in_config_are_an_error():
+    with pytest.raises(ValueError, match="no pass named \\['nope'\\]"):
+        run([Faster()], config=QUICK.replace(exclude=["nope"]))
+
+
+def test_config_context_manager_applies_and_the_argument_wins():
+    with Config(warmup=0, iters=2, exclude=("faster",)):
+        _, _, report = bladesmith.optimize(
+            Sleepy(), device="cpu", test_data=[torch.randn(1, 4)], passes=[Faster()]
+        )
+        assert statuses(report) == {"faster": "skipped"}
+        assert report.baseline["iterations"] == 2
+        _, _, report = run([Faster()], config=Config(warmup=0, iters=4))
+        assert statuses(report) == {"faster": "kept"}
+        assert report.baseline["iterations"] == 4
+    assert Config.current() == Config()
+
+
+def test_config_nests_and_validates():
+    outer, inner = Config(iters=5), Config(iters=7)
+    with outer:
+        with inner:
+            assert Config.current() is inner
+        assert Config.current() is outer
+    with pytest.raises(ValueError, match="Config.iters"):
+        Config(iters=0)
+    with pytest.raises(ValueError, match="both included and excluded"):
+        Config(include=["a"], exclude=["a"])
+    with pytest.raises(ValueError, match="Config.output"):
+        Config(output="boxes")
+    assert Config().timing_counts("cuda") == (20, 100)
+    assert Config(warmup=1).timing_counts("cpu") == (1, 10)
+
+
+def test_optimized_module_is_a_drop_in_and_the_model_is_untouched():
+    model = Sleepy(delay=0.0)
+    x = torch.randn(3, 4)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = model(x)
+    optimized, _, _ = run([Faster()], model=model)
+    y, extra = optimized(x)
+    torch.testing.assert_close(y, expected[0])
+    torch.testing.assert_close(extra["sum"], expected[1]["sum"])
+    assert optimized.module is not model
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    torch.testing.assert_close(model(x)[0], expected[0])
+    assert model.training  # the copy went to eval mode, not the user's model
+
+
+def test_optimized_module_refuses_conversion():
+    optimized, _, _ = run([Faster()])
+    with pytest.raises(bladesmith.errors.BladesmithError, match="fixed to cpu"):
+        optimized.half()
+
+
+def test_kept_backend_replaced_by_a_later_one_is_marked_superseded():
+    class Backend(Pass):
+        def __init__(self, name, delay):
+            self.name, self.delay = name, delay
+
+        def apply(self, candidate, context):
+            module = with_delay(candidate.module, self.delay)
+            return candidate.with_runner(module, self.name)
+
+    _, spec, report = run([Backend("first", SLOW_S / 2), Backend("second", 0.0)])
+    first, second = report.optimizations
+    assert first.status == second.status == "kept"
+    assert "superseded by second" in first.reason
+    assert spec.passes == ("second",) and spec.backend == "second"
+
+
+def test_models_given_as_torchscript_exported_program_and_file(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU()).eval()
+    x = torch.randn(2, 4)
+    scripted = torch.jit.script(model)
+    exported = torch.export.export(model, (x,))
+    script_file, export_file = tmp_path / "model.pt", tmp_path / "model.pt2"
+    torch.jit.save(scripted, str(script_file))
+    torch.export.save(exported, str(export_file))
+    for given, kind in (
+        (exported, "torch.export program"),
+        (export_file, "torch.export program"),
+        (scripted, "TorchScript"),
+        (script_file, "TorchScript"),
+    ):
+        optimized, spec, report = bladesmith.optimize(
+            given, device="cpu", test_data=[(x,)], config=QUICK, passes=[]
+        )
+        assert report.model_info["format"] == kind
+        torch.testing.assert_close(optimized(x), model(x))
+    assert spec.save_formats == (".pt", ".onnx")  # no .pt2: TorchScript does not export
+
+
+def test_test_data_is_checked():
+    with pytest.raises(ValueError, match="test_data"):
+        bladesmith.optimize(Sleepy(), device="cpu", test_data=[], passes=[])
+    with pytest.raises(TypeError, match="model: expected an nn.Module"):
+        bladesmith.optimize(object(), device="cpu", test_data=[torch.ones(1)], passes=[])
+
+
+def test_candidate_runner_args_batch_a_detectors_image_list():
+    images = [torch.zeros(3, 8, 8), torch.ones(3, 8, 8)]
+    candidate = Candidate(module=nn.Identity(), device=torch.device("cpu"), padded_detections=True)
+    (batch,) = candidate.runner_args((images,))
+    assert batch.shape == (2, 3, 8, 8) and torch.equal(batch[1], images[1])
+    plain = Candidate(module=nn.Identity(), device=torch.device("cpu"))
+    assert plain.runner_args((images,)) == (images,)
+
+
+class SlowEnabler(Slower):
+    name = "enabler"
+    enabler = True
+
+
+def test_enabler_is_kept_when_slower_so_later_passes_can_pay_off():
+    _, spec, report = run([SlowEnabler(), Faster()])
+    enabler, faster = report.optimizations
+    assert enabler.status == "kept" and "passes after it need" in enabler.reason
+    assert enabler.post_run > enabler.pre_run
+    assert faster.status == "kept"
+    assert spec.passes == ("enabler", "faster")
+
+
+def test_enabler_that_nothing_pays_off_is_dropped_at_the_end():
+    optimized, spec, report = run([SlowEnabler(), Slower()])
+    enabler, slower = report.optimizations
+    assert enabler.status == "rejected" and "dropped at the end" in enabler.reason
+    assert slower.status == "rejected"
+    assert spec.passes == ()
+    assert report.optimized["p50_ms"] == report.baseline["p50_ms"]
+    assert optimized.module.delay == SLOW_S

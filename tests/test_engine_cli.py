@@ -1,0 +1,105 @@
+"""`bladesmith optimize`, `bench` and `demo` through the command line's entry point."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from bladesmith import engine_cli
+from bladesmith.cli import main
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 1)).eval()
+    path = tmp_path / "net.pt"
+    torch.jit.save(torch.jit.script(model), str(path))
+    return path
+
+
+def test_input_size_parses_height_by_width():
+    assert engine_cli.input_size("480x640") == (480, 640)
+    assert engine_cli.input_size("32X48") == (32, 48)
+    for bad in ("480", "0x640", "axb"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            engine_cli.input_size(bad)
+
+
+def test_optimize_a_model_file_then_bench_the_artifacts(tmp_path, model_file, capsys):
+    out, report, chart = tmp_path / "opt.pt", tmp_path / "report.json", tmp_path / "chart.png"
+    status = main(
+        [
+            "optimize",
+            str(model_file),
+            "--device",
+            "cpu",
+            "--input-size",
+            "24x32",
+            "--batch",
+            "2",
+            "--warmup",
+            "0",
+            "--iters",
+            "2",
+            "--exclude",
+            "onnxruntime",
+            "--out",
+            str(out),
+            "--report",
+            str(report),
+            "--chart",
+            str(chart),
+        ]
+    )
+    assert status == 0
+    data = json.loads(report.read_text())
+    assert data["overall"]["accuracy"]["passed"]
+    assert data["model_info"]["format"] == "TorchScript"
+    assert data["model_info"]["input_shapes"] == [[2, 3, 24, 32]]
+    assert {record["name"] for record in data["optimizations"]} >= {"torchscript", "inductor"}
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "saved:" in capsys.readouterr().out
+
+    table = tmp_path / "bench.json"
+    assert main(["bench", str(out), str(out), "--iters", "2", "--json", str(table)]) == 0
+    rows = json.loads(table.read_text())
+    assert [row["artifact"] for row in rows] == [str(out), str(out)]
+    assert rows[1]["agreement"].startswith("match")
+    assert rows[0]["timing"]["iterations"] == 2
+    assert "Artifacts" in capsys.readouterr().out
+
+
+def test_optimize_reports_a_missing_model_file(tmp_path, capsys):
+    assert main(["optimize", str(tmp_path / "missing.pt"), "--device", "cpu"]) == 1
+    assert "neither a built-in model" in capsys.readouterr().err
+
+
+def test_builtin_detector_gets_a_list_of_photographs():
+    args = argparse.Namespace(
+        model="torchvision:retinanet_resnet18_fpn", weights=None, batch=2, input_size=(96, 128)
+    )
+    model, test_data = engine_cli._model_and_inputs(args)
+    (images,) = test_data[0]
+    assert type(model).__name__ == "RetinaNet" and not model.training
+    assert len(images) == 2 and images[0].shape == (3, 96, 128)
+    assert 0.0 <= float(images[0].min()) and float(images[0].max()) <= 1.0
+
+
+def test_demo_on_cpu_times_fewer_runs_and_says_so(monkeypatch, capsys):
+    seen = {}
+
+    def fake_run_optimize(args):
+        seen["args"] = args
+        return 0
+
+    monkeypatch.setattr(engine_cli, "run_optimize", fake_run_optimize)
+    assert main(["demo", "--device", "cpu"]) == 0
+    args = seen["args"]
+    assert args.model == engine_cli.DEFAULT_MODEL and args.input_size == (480, 640)
+    assert (args.warmup, args.iters) == engine_cli.DEMO_CPU_TIMING
+    assert "to keep the demo short" in capsys.readouterr().err
