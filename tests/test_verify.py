@@ -12,6 +12,7 @@ from bladesmith.verify import (
     compare_outputs,
     compare_tensors,
     default_tolerance,
+    detection_score_tolerance,
 )
 
 
@@ -349,3 +350,39 @@ def test_fp16_outputs_against_fp32_reference():
     result = compare_outputs(reference, candidate)
     assert result.passed, result.summary()
     assert result.outputs["out['features']"].rtol == 1e-2
+
+
+def _ranked(scores, labels=None):
+    """Detections of one image, boxes far apart so that only equal indices match."""
+    scores = torch.tensor(scores)
+    n = len(scores)
+    offsets = torch.arange(n, dtype=torch.float32)[:, None] * 100
+    boxes = offsets + torch.tensor([0.0, 0.0, 50.0, 50.0])
+    labels = torch.zeros(n, dtype=torch.int64) if labels is None else torch.tensor(labels)
+    return {"boxes": boxes, "scores": scores, "labels": labels}
+
+
+def test_detections_at_the_score_cut_are_excused():
+    # Both lists keep 3 per image; rounding swapped which of two near-equal detections
+    # made the cut (0.5001 vs 0.4999): neither side is wrong.
+    reference = _ranked([0.9, 0.7, 0.5001, 0.0])
+    candidate = _ranked([0.9, 0.7, 0.0, 0.4999])
+    reference = [{k: v[:3] for k, v in reference.items()}]
+    candidate = [{k: v[[0, 1, 3]] for k, v in candidate.items()}]
+    result = compare_detections(reference, candidate, score_atol=1e-3)
+    assert result.passed, result.summary()
+    assert result.excused == 2 and result.matched == 2 and result.f1 == 1.0
+    assert "2 at a score cut excused" in result.summary()
+
+
+def test_detections_far_below_the_cut_are_not_excused():
+    # A candidate that lost every detection but the first must not pass.
+    reference = [_ranked([0.9, 0.6, 0.4, 0.2])]
+    candidate = [{k: v[:1] for k, v in _ranked([0.9, 0.6, 0.4, 0.2]).items()}]
+    result = compare_detections(reference, candidate, score_atol=5e-3)
+    assert not result.passed and result.excused == 0 and result.recall == 0.25
+
+
+def test_detection_score_tolerance_has_a_floor_for_tf32():
+    assert detection_score_tolerance(torch.float32) == 5e-3
+    assert detection_score_tolerance(torch.float16) == pytest.approx(1.1e-2)

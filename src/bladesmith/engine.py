@@ -38,7 +38,12 @@ from bladesmith.spec import (
     TORCHSCRIPT_SUFFIX,
     Spec,
 )
-from bladesmith.verify import Comparison, compare_outputs, default_tolerance
+from bladesmith.verify import (
+    Comparison,
+    compare_outputs,
+    default_tolerance,
+    detection_score_tolerance,
+)
 
 _MAX_ERROR_CHARS = 400
 
@@ -252,7 +257,7 @@ def _compare(reference, outputs, dtype: torch.dtype, config: Config) -> Comparis
         atol=atol,
         iou_threshold=config.iou_threshold,
         min_f1=config.min_f1,
-        score_atol=rtol + atol,  # scores lie in [0, 1]: the tolerance at 1
+        score_atol=max(rtol + atol, detection_score_tolerance(dtype)),
     )
 
 

@@ -129,7 +129,14 @@ def assert_same_detections(
     close = (
         (labels[:, None] == ref_labels[None])
         & ((scores.double()[:, None] - ref_scores.double()[None]).abs() <= score_atol)
-        & torch.isclose(boxes[:, None], ref_boxes[None], box_rtol, box_atol, equal_nan=True).all(-1)
+        & torch.isclose(
+            # expanded by hand: isclose's broadcasting fails on CUDA in torch 2.11
+            boxes[:, None].expand(-1, len(ref_boxes), 4),
+            ref_boxes[None].expand(len(boxes), -1, 4),
+            box_rtol,
+            box_atol,
+            equal_nan=True,
+        ).all(-1)
     )
     taken = torch.zeros(len(ref_scores), dtype=torch.bool)
     for i in range(len(scores)):
