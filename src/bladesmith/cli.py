@@ -13,7 +13,11 @@ import sys
 
 # Order is the order of `bladesmith --help`.
 _COMMAND_MODULES = (
+    "bladesmith.engine_cli",
     "bladesmith.checkup_cli",
+    "bladesmith.ops.cli",
+    "bladesmith.onnx.check_cli",
+    "bladesmith.onnx.export_cli",
 )
 
 

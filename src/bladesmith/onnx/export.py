@@ -1,0 +1,135 @@
+"""``export``: a PyTorch model that uses the bladesmith operators, to a checked ONNX file.
+
+The TorchScript-based exporter (``torch.onnx.export(dynamo=False)``) is used on
+purpose: it takes nn.Modules and TorchScript files alike, behaves the same on every
+supported torch (2.6 and newer), and runs the model, so the operators' real kernels
+give every output its static shape. ``bladesmith.onnx.symbolic`` translates the
+operators. The file is written next to its destination, shape-inferred and checked
+(``onnx.checker.check_model(full_check=True)``), then renamed into place.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from bladesmith.errors import BladesmithError
+from bladesmith.onnx import symbolic
+
+# Protocol buffers cannot be serialised past 2 GiB; keep a margin for the graph itself.
+_EXTERNAL_DATA_THRESHOLD = 1.8 * 2**30
+
+
+def export(
+    model: torch.nn.Module,
+    args,
+    path: str | os.PathLike,
+    *,
+    opset: int = 17,
+    custom_ops: str = "domain",
+    input_names: list[str] | None = None,
+    output_names: list[str] | None = None,
+    external_data: bool | None = None,
+) -> Path:
+    """Export ``model`` called on ``args`` (a tensor or a tuple of them) to ``path``.
+
+    ``custom_ops="domain"`` makes each bladesmith operator one ``ai.onnx.contrib`` node,
+    run by ``bladesmith.onnx.session``; ``"standard"`` lowers them to standard ONNX
+    operators with the same fixed-shape outputs, for any ONNX Runtime provider and
+    TensorRT. Weights go to ``<path>.data`` when ``external_data`` is True, or when it
+    is None and they are too large for one protobuf (2 GiB). Returns ``path``.
+    """
+    from bladesmith import ops
+
+    symbolic.check_mode(custom_ops, opset)
+    args = args if isinstance(args, tuple) else (args,)
+    path = Path(path)
+    if path.suffix != ".onnx":
+        raise BladesmithError(f"{path}: an ONNX file name must end in .onnx")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ops.load_library()
+    workdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        raw = workdir / "raw.onnx"
+        _torch_export(model, args, raw, opset, custom_ops, input_names, output_names)
+        _finish(raw, workdir / path.name, external_data)
+        _move_into_place(workdir, path)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return path
+
+
+def _torch_export(model, args, raw: Path, opset, custom_ops, input_names, output_names):
+    custom_opsets = {symbolic.DOMAIN: symbolic.DOMAIN_VERSION} if custom_ops == "domain" else {}
+    with symbolic.registered(custom_ops, opset), warnings.catch_warnings(), torch.no_grad():
+        # The TorchScript exporter is chosen deliberately (see the module docstring).
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            torch.onnx.export(
+                model,
+                args,
+                str(raw),
+                dynamo=False,
+                opset_version=opset,
+                input_names=input_names,
+                output_names=output_names,
+                custom_opsets=custom_opsets,
+                do_constant_folding=True,
+            )
+        except BladesmithError:
+            raise
+        except Exception as error:  # the exporter's own errors, re-said with what to do
+            raise BladesmithError(
+                f"torch.onnx.export failed ({type(error).__name__}: {error}). The model must "
+                "trace with fixed-shape tensor inputs, and each of its operators needs an ONNX "
+                f"translation at opset {opset} (a newer opset may have it)"
+            ) from error
+
+
+def _finish(raw: Path, out: Path, external_data: bool | None) -> None:
+    """Shape-infer and check ``raw``, writing ``out`` (and ``out.data`` when external)."""
+    import onnx
+
+    model = onnx.load(str(raw))  # loads any external data the exporter wrote
+    if external_data is None:
+        weight_bytes = sum(t.ByteSize() for t in model.graph.initializer)
+        external_data = weight_bytes > _EXTERNAL_DATA_THRESHOLD
+    try:
+        if external_data:
+            onnx.save_model(
+                model,
+                str(out),
+                save_as_external_data=True,
+                all_tensors_to_one_file=True,
+                location=f"{out.name}.data",
+                size_threshold=1024,
+            )
+            del model
+            onnx.shape_inference.infer_shapes_path(
+                str(out), str(out), check_type=True, strict_mode=True, data_prop=True
+            )
+            onnx.checker.check_model(str(out), full_check=True)
+        else:
+            model = onnx.shape_inference.infer_shapes(
+                model, check_type=True, strict_mode=True, data_prop=True
+            )
+            onnx.checker.check_model(model, full_check=True)
+            onnx.save_model(model, str(out))
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        raise BladesmithError(
+            f"the exported model fails ONNX's checker: {error}. This is a bladesmith bug if "
+            "the model only uses torch and bladesmith operators: please report it"
+        ) from error
+
+
+def _move_into_place(workdir: Path, path: Path) -> None:
+    # External data first: the model file appears last, and never refers to missing data.
+    data = workdir / f"{path.name}.data"
+    if data.exists():
+        os.replace(data, path.parent / data.name)
+    os.replace(workdir / path.name, path)

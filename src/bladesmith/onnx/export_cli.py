@@ -1,0 +1,141 @@
+"""`bladesmith export onnx MODEL OUT`: a built-in model or a TorchScript file to ONNX.
+
+    bladesmith export onnx torchvision:retinanet_resnet50_fpn retinanet.onnx \\
+        --custom-ops standard --input-size 480x640 --batch 1
+
+Only argparse is imported here; torch and the exporter are imported when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+BUILTIN_RETINANET = "torchvision:retinanet_resnet50_fpn"
+DETECTION_OUTPUTS = ["boxes", "scores", "labels", "num_detections"]
+
+
+def add_parser(subparsers) -> None:
+    export = subparsers.add_parser(
+        "export", help="export a model to a deployable format", description="Export a model."
+    )
+    formats = export.add_subparsers(dest="format", metavar="FORMAT", required=True)
+    parser = formats.add_parser(
+        "onnx",
+        help="export to ONNX, the bladesmith operators as custom nodes or standard ONNX",
+        description=(
+            f"Export MODEL ({BUILTIN_RETINANET}, or a TorchScript file taking one image "
+            "batch [N, 3, H, W] in [0, 1]) to the ONNX file OUT, checked with ONNX's "
+            "full checker. The built-in RetinaNet has random weights unless --weights "
+            "names a local state-dict file."
+        ),
+    )
+    parser.add_argument(
+        "model", metavar="MODEL", help=f"{BUILTIN_RETINANET} or a TorchScript .pt file"
+    )
+    parser.add_argument("output", metavar="OUT", help="the .onnx file to write")
+    parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    parser.add_argument(
+        "--custom-ops",
+        choices=("domain", "standard"),
+        default="domain",
+        help=(
+            "domain: one ai.onnx.contrib node per operator, run by bladesmith.onnx.session; "
+            "standard: standard ONNX only, for any ONNX Runtime provider and TensorRT "
+            "(default domain)"
+        ),
+    )
+    parser.add_argument(
+        "--input-size",
+        type=_input_size,
+        default=(480, 640),
+        metavar="HxW",
+        help="image height and width (default 480x640)",
+    )
+    parser.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
+    parser.add_argument("--weights", help="built-in model only: a local state-dict file")
+    parser.add_argument(
+        "--num-classes", type=_positive, default=91, help="built-in model only (default 91)"
+    )
+    parser.add_argument(
+        "--external-data",
+        action="store_true",
+        help="write the weights to OUT.data (automatic past 2 GiB)",
+    )
+    parser.set_defaults(func=run)
+
+
+def _input_size(text: str) -> tuple[int, int]:
+    try:
+        height, width = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HxW such as 480x640, got {text!r}") from None
+    if height <= 0 or width <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive HxW, got {text!r}")
+    return height, width
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from bladesmith.models.images import sample_images
+    from bladesmith.onnx.export import export
+
+    model, output_names = _load_model(args)
+    images = sample_images(args.batch, args.input_size)
+    path = export(
+        model,
+        (images,),
+        args.output,
+        opset=args.opset,
+        custom_ops=args.custom_ops,
+        input_names=["images"],
+        output_names=output_names,
+        external_data=args.external_data or None,
+    )
+    size = sum(p.stat().st_size for p in (path, Path(f"{path}.data")) if p.exists())
+    print(
+        f"wrote {path} ({size / 2**20:.1f} MiB, opset {args.opset}, "
+        f"custom ops: {args.custom_ops}, input images [{args.batch}, 3, "
+        f"{args.input_size[0]}, {args.input_size[1]}])"
+    )
+    return 0
+
+
+def _load_model(args):
+    from pathlib import Path
+
+    from bladesmith.errors import BladesmithError
+
+    if args.model == BUILTIN_RETINANET:
+        from bladesmith.models.retinanet import RetinaNetPipeline, build_retinanet
+
+        model = build_retinanet(
+            image_size=args.input_size, weights=args.weights, num_classes=args.num_classes
+        )
+        return RetinaNetPipeline(model, args.input_size).eval(), DETECTION_OUTPUTS
+    if args.weights is not None:
+        raise BladesmithError("--weights applies to the built-in model only")
+    path = Path(args.model)
+    if not path.is_file():
+        raise BladesmithError(
+            f"MODEL: expected {BUILTIN_RETINANET} or a TorchScript file; {path} does not exist"
+        )
+    import torch
+
+    from bladesmith import ops
+
+    ops.load_library()  # a TorchScript file that calls the operators needs them to load
+    try:
+        return torch.jit.load(str(path), map_location="cpu").eval(), None
+    except RuntimeError as error:
+        raise BladesmithError(f"{path} is not a loadable TorchScript file: {error}") from error

@@ -1,0 +1,243 @@
+"""ONNX Runtime sessions with the execution providers and options a device needs.
+
+``plan_providers`` is a pure function (the providers this onnxruntime offers in, the
+providers with their options and the session settings out), so every device's choice
+is testable without its hardware. ``session`` applies a plan, registers the bladesmith
+operators for models exported with ``custom_ops="domain"``, and returns a ``Session``
+that reports the providers ONNX Runtime actually used.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bladesmith.errors import BladesmithError, DeviceUnavailableError
+
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+TENSORRT = "TensorrtExecutionProvider"
+DIRECTML = "DmlExecutionProvider"
+DEVICES = ("auto", "cpu", "cuda", "tensorrt", "dml")
+
+# What to install when a device's provider is missing from this onnxruntime.
+_INSTALL = {
+    CUDA: "install onnxruntime-gpu (in place of onnxruntime) with a CUDA-capable driver",
+    TENSORRT: "install onnxruntime-gpu and TensorRT (pip install tensorrt)",
+    DIRECTML: "install onnxruntime-directml (Windows) in place of onnxruntime",
+}
+_DEVICE_NAME = re.compile(r"(?P<kind>[a-z]+)(?::(?P<index>\d+))?")
+
+
+@dataclass(frozen=True)
+class ProviderPlan:
+    """Providers in priority order, each with its options, plus the session settings
+    the first provider needs (``SessionOptions`` attribute -> value)."""
+
+    providers: list[tuple[str, dict]]
+    session_settings: dict = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.providers]
+
+
+def plan_providers(
+    device: str,
+    available: Sequence[str],
+    *,
+    fp16: bool = False,
+    trt_cache_dir: str | os.PathLike | None = None,
+) -> ProviderPlan:
+    """The providers for ``device`` ("auto", "cpu", "cuda[:N]", "tensorrt[:N]", "dml[:N]"),
+    given the ``available`` provider names of this onnxruntime.
+
+    Fallbacks: TensorRT, then CUDA, then CPU; DirectML, then CPU; the CPU always last,
+    so that nodes a device cannot run (and the Python operators) still run. "auto"
+    picks CUDA, then DirectML, then the CPU; TensorRT is never picked implicitly, since
+    its first session builds an engine for minutes. ``fp16`` lets TensorRT build fp16
+    kernels; ``trt_cache_dir`` (default: ``default_trt_cache_dir()``) holds its engine
+    and timing caches.
+    """
+    kind, index = _parse_device(device)
+    available = list(available)
+    if kind == "auto":
+        kind = next((k for k, p in (("cuda", CUDA), ("dml", DIRECTML)) if p in available), "cpu")
+    device_id = {"device_id": index or 0}
+    cpu = (CPU, {})
+    if kind == "cpu":
+        return ProviderPlan([cpu])
+    if kind == "cuda":
+        _require(CUDA, device, available)
+        return ProviderPlan([(CUDA, device_id), cpu])
+    if kind == "dml":
+        _require(DIRECTML, device, available)
+        # DirectML supports neither memory patterns nor parallel execution.
+        return ProviderPlan(
+            [(DIRECTML, device_id), cpu],
+            {"enable_mem_pattern": False, "execution_mode": "ORT_SEQUENTIAL"},
+        )
+    _require(TENSORRT, device, available)
+    cache = str(trt_cache_dir if trt_cache_dir is not None else default_trt_cache_dir())
+    tensorrt = {
+        **device_id,
+        "trt_fp16_enable": fp16,
+        "trt_engine_cache_enable": True,
+        "trt_engine_cache_path": cache,
+        "trt_timing_cache_enable": True,
+        "trt_timing_cache_path": cache,
+    }
+    providers = [(TENSORRT, tensorrt)]
+    if CUDA in available:  # TensorRT's fallback for the nodes it does not take
+        providers.append((CUDA, device_id))
+    return ProviderPlan([*providers, cpu])
+
+
+def _parse_device(device: str) -> tuple[str, int | None]:
+    match = _DEVICE_NAME.fullmatch(str(device).strip().lower())
+    if (
+        not match
+        or match["kind"] not in DEVICES
+        or (match["index"] is not None and match["kind"] in ("auto", "cpu"))
+    ):
+        raise BladesmithError(
+            f"device: expected 'auto', 'cpu', 'cuda[:N]', 'tensorrt[:N]' or 'dml[:N]', "
+            f"got {device!r}"
+        )
+    index = match["index"]
+    return match["kind"], None if index is None else int(index)
+
+
+def _require(provider: str, device: str, available: list[str]) -> None:
+    if provider not in available:
+        raise DeviceUnavailableError(
+            f"device {device!r} needs ONNX Runtime's {provider}, which this onnxruntime does "
+            f"not have (it has {', '.join(available) or 'none'}): {_INSTALL[provider]}, or "
+            "use device='cpu'"
+        )
+
+
+def default_trt_cache_dir() -> Path:
+    base = os.environ.get("BLADESMITH_CACHE") or Path.home() / ".cache" / "bladesmith"
+    return Path(base) / "tensorrt"
+
+
+class Session:
+    """An ONNX Runtime session that takes numpy arrays or torch tensors.
+
+    ``run(*inputs, **named)`` returns numpy arrays, as ONNX Runtime does; calling the
+    session returns torch tensors, as the module it was exported from would (on the
+    CPU). ``providers`` lists the providers ONNX Runtime actually kept, best first.
+    """
+
+    def __init__(self, inference_session, plan: ProviderPlan):
+        self.inference_session = inference_session
+        self.plan = plan
+        self.input_names = [i.name for i in inference_session.get_inputs()]
+        self.output_names = [o.name for o in inference_session.get_outputs()]
+
+    @property
+    def providers(self) -> list[str]:
+        return self.inference_session.get_providers()
+
+    def run(self, *inputs, **named) -> list:
+        if len(inputs) > len(self.input_names):
+            raise BladesmithError(
+                f"the model takes {len(self.input_names)} inputs ({', '.join(self.input_names)})"
+                f"; got {len(inputs)}"
+            )
+        feeds = dict(zip(self.input_names, inputs))
+        unknown = set(named) - set(self.input_names)
+        if unknown:
+            raise BladesmithError(
+                f"unknown input names {sorted(unknown)}; the model's inputs are "
+                f"{', '.join(self.input_names)}"
+            )
+        feeds.update(named)
+        missing = [name for name in self.input_names if name not in feeds]
+        if missing:
+            raise BladesmithError(f"missing inputs: {', '.join(missing)}")
+        return self.inference_session.run(
+            None, {name: _to_numpy(value) for name, value in feeds.items()}
+        )
+
+    def __call__(self, *inputs, **named):
+        import torch
+
+        return tuple(torch.from_numpy(output) for output in self.run(*inputs, **named))
+
+    def __repr__(self) -> str:
+        return f"Session(providers={self.providers}, inputs={self.input_names})"
+
+
+def _to_numpy(value):
+    import numpy as np
+
+    if hasattr(value, "detach"):  # a torch tensor
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def session(
+    path: str | os.PathLike,
+    device: str = "auto",
+    *,
+    threads: int | None = None,
+    fp16: bool = False,
+    trt_cache_dir: str | os.PathLike | None = None,
+) -> Session:
+    """An ONNX Runtime session for the model at ``path`` on ``device``.
+
+    ``threads`` sets the intra-op threads (default: ONNX Runtime's, one per physical
+    core). Models exported with ``custom_ops="domain"`` get the bladesmith operators'
+    implementations (onnxruntime-extensions Python operators, run on the CPU).
+    """
+    import onnxruntime as ort
+
+    path = Path(path)
+    if not path.is_file():
+        raise BladesmithError(f"{path}: no such ONNX file; export one with bladesmith.onnx.export")
+    plan = plan_providers(
+        device, ort.get_available_providers(), fp16=fp16, trt_cache_dir=trt_cache_dir
+    )
+    for _, provider_options in plan.providers:
+        if "trt_engine_cache_path" in provider_options:
+            Path(provider_options["trt_engine_cache_path"]).mkdir(parents=True, exist_ok=True)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    for name, value in plan.session_settings.items():
+        if name == "execution_mode":
+            value = getattr(ort.ExecutionMode, value)
+        setattr(options, name, value)
+    if _uses_custom_domain(path):
+        options.register_custom_ops_library(_contrib_library(path))
+    inference_session = ort.InferenceSession(
+        str(path), sess_options=options, providers=plan.providers
+    )
+    return Session(inference_session, plan)
+
+
+def _uses_custom_domain(path: Path) -> bool:
+    import onnx
+
+    from bladesmith.onnx.symbolic import DOMAIN
+
+    model = onnx.load(str(path), load_external_data=False)
+    return any(opset.domain == DOMAIN for opset in model.opset_import)
+
+
+def _contrib_library(path: Path) -> str:
+    try:
+        from bladesmith.onnx import contrib_ops
+    except ImportError as error:
+        raise BladesmithError(
+            f"{path} has bladesmith operators (exported with custom_ops='domain'), which run "
+            f"through onnxruntime-extensions, and it cannot be imported ({error}): pip install "
+            "onnxruntime-extensions, or re-export with custom_ops='standard'"
+        ) from error
+    return contrib_ops.library_path()
