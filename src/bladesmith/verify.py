@@ -232,7 +232,7 @@ class DetectionComparison:
     max_box_deviation: float | None = None  # largest coordinate difference, in pixels
     max_score_deviation: float | None = None
     mean_iou: float | None = None
-    excused: int = 0  # unmatched detections at either list's score cut (see compare_detections)
+    excused: int = 0  # unmatched pairs on a near tie, at the score cut or in NMS
     tolerance_ratio: float = 0.0  # worst of the F1 shortfall and score deviation, as above
     reasons: list[str] = field(default_factory=list)
 
@@ -240,7 +240,7 @@ class DetectionComparison:
         text = (
             f"F1 {self.f1:.4g} (min {self.min_f1:g}), {self.matched} matched of "
             f"{self.reference_count} reference / {self.candidate_count} candidate"
-            + (f" ({self.excused} at a score cut excused), " if self.excused else ", ")
+            + (f" ({self.excused} on near ties excused), " if self.excused else ", ")
             + f"max box dev {_sci(self.max_box_deviation)} px, "
             f"max score dev {_sci(self.max_score_deviation)} (atol {_sci(self.score_atol)})"
         )
@@ -298,7 +298,7 @@ def detection_score_tolerance(dtype: torch.dtype) -> float:
 
 
 def compare_detections(
-    reference, candidate, iou_threshold=0.9, min_f1=0.99, score_atol=None
+    reference, candidate, iou_threshold=0.9, min_f1=0.99, score_atol=None, tie_iou=0.5
 ) -> DetectionComparison:
     """Match candidate detections to reference ones, order-free, and score the match.
 
@@ -315,6 +315,10 @@ def compare_detections(
     ``score_atol`` of the other list's lowest score may fall on either side of the cut
     after any rounding change: unmatched pairs of such detections, one from each list,
     are excused (counted in ``excused``), not counted against precision or recall.
+    Likewise greedy NMS keeps one of two overlapping boxes of a class by score: when
+    they overlap by at least ``tie_iou`` (torchvision detectors' NMS threshold) and
+    score within ``score_atol``, either choice is right, and such an unmatched pair is
+    excused too.
     """
     _check_detections("reference", reference)
     if score_atol is None:
@@ -359,11 +363,23 @@ def compare_detections(
             ious.append(iou[i, j])
             box_devs.append(np.abs(ref_boxes[i] - cand_boxes[j]).max())
             score_devs.append(abs(ref_scores[i] - cand_scores[j]))
+        cand_matched |= ~usable  # never excused
+        swapped = _tie_swaps(
+            iou,
+            ref_labels,
+            cand_labels,
+            ref_scores,
+            cand_scores,
+            ref_matched,
+            cand_matched,
+            tie_iou,
+            score_atol,
+        )
         # Swaps across the cut come in pairs: one left each list near the cut. A lone
         # one (a duplicate, a detection lost at the threshold) is not excused.
-        swapped = min(
+        swapped += min(
             _near_cut(ref_scores, ~ref_matched, cand_scores, score_atol),
-            _near_cut(cand_scores, ~cand_matched & usable, ref_scores, score_atol),
+            _near_cut(cand_scores, ~cand_matched, ref_scores, score_atol),
         )
         result.excused += 2 * swapped
         result.reference_count -= swapped
@@ -399,6 +415,37 @@ def compare_detections(
         )
     result.passed = not result.reasons
     return result
+
+
+def _tie_swaps(
+    iou,
+    ref_labels,
+    cand_labels,
+    ref_scores,
+    cand_scores,
+    ref_matched,
+    cand_matched,
+    tie_iou: float,
+    score_atol: float,
+) -> int:
+    """Pair unmatched detections that greedy NMS chose between on a near tie: same
+    label, overlapping by at least ``tie_iou``, scores within ``score_atol``. Marks the
+    pairs matched (in place) and returns how many there are."""
+    pairs = 0
+    for i in np.argsort(-ref_scores, kind="stable"):
+        if ref_matched[i]:
+            continue
+        candidates = (
+            ~cand_matched
+            & (cand_labels == ref_labels[i])
+            & (iou[i] >= tie_iou)
+            & (np.abs(cand_scores - ref_scores[i]) <= score_atol)
+        )
+        if candidates.any():
+            j = int(np.where(candidates, iou[i], -1.0).argmax())
+            ref_matched[i] = cand_matched[j] = True
+            pairs += 1
+    return pairs
 
 
 def _near_cut(scores, unmatched, other_scores, score_atol: float) -> int:
