@@ -7,7 +7,9 @@ from types import SimpleNamespace
 from unittest import mock
 
 import torch
+import torchvision
 import torchvision.ops.boxes as box_ops
+from hypothesis import strategies as st
 from torchvision.models.detection import _utils as det_utils
 from torchvision.models.detection.retinanet import RetinaNet
 
@@ -150,3 +152,42 @@ def assert_same_detections(
 
 def logit(p: float) -> float:
     return math.log(p / (1 - p))
+
+
+@st.composite
+def decode_cases(draw, max_level_size=40, max_levels=4, max_classes=6):
+    """Shapes and logit levels for random decode cases (hypothesis)."""
+    return dict(
+        seed=draw(st.integers(0, 2**31 - 1)),
+        batch=draw(st.integers(0, 3)),
+        level_sizes=draw(st.lists(st.integers(0, max_level_size), min_size=1, max_size=max_levels)),
+        num_classes=draw(st.integers(1, max_classes)),
+        logit_mean=draw(st.floats(-4.0, 2.0)),
+        per_image_anchors=draw(st.booleans()),
+    )
+
+
+def make_nms_inputs(seed, batch, num_boxes, num_labels, padding=0.0):
+    """Coordinates on a 1/4 grid below 64 and distinct scores: torchvision's batched_nms
+    shifts boxes by label * (max + 1), which is exact for these, so results must agree
+    bit for bit, ties of IoU with the threshold included."""
+    g = torch.Generator().manual_seed(seed)
+    corner = torch.randint(0, 160, (batch, num_boxes, 2), generator=g) / 4
+    extent = torch.randint(0, 96, (batch, num_boxes, 2), generator=g) / 4  # 0: zero area
+    scores = torch.rand(batch, 4096, generator=g).argsort(dim=1)[:, :num_boxes]
+    labels = torch.randint(0, num_labels, (batch, num_boxes), generator=g)
+    pad = torch.rand(batch, num_boxes, generator=g) < padding
+    boxes = torch.cat([corner, corner + extent], dim=-1).masked_fill(pad[..., None], 0)
+    scores = (scores.float() / 4096 + 1 / 8192).masked_fill(pad, 0)
+    return boxes, scores, labels.masked_fill(pad, -1)
+
+
+def torchvision_nms(boxes, scores, labels, iou_threshold, max_detections):
+    """Per image: the non-padding, non-NaN entries through torchvision, then the top."""
+    results = []
+    for image_boxes, image_scores, image_labels in zip(boxes, scores, labels):
+        valid = (image_labels >= 0) & ~image_scores.isnan()
+        kept = [image_boxes[valid], image_scores[valid], image_labels[valid]]
+        keep = torchvision.ops.batched_nms(*kept, iou_threshold)[:max_detections]
+        results.append(tuple(t[keep] for t in kept))
+    return results

@@ -14,12 +14,14 @@ from ops_testing import (
     assert_descending,
     assert_padding,
     assert_same_detections,
+    decode_cases,
     level_topk,
     make_decode_inputs,
+    make_nms_inputs,
     torchvision_level_candidates,
+    torchvision_nms,
     torchvision_postprocess,
 )
-from test_nms import make_nms_inputs, torchvision_nms
 
 from bladesmith.ops import BBOX_CLIP, batched_nms, retinanet_decode, retinanet_postprocess
 
@@ -164,21 +166,9 @@ def assert_same_candidates(ours, theirs, ks):
 # retinanet_decode
 
 
-@st.composite
-def decode_cases(draw):
-    return dict(
-        seed=draw(st.integers(0, 2**31 - 1)),
-        batch=draw(st.integers(0, 3)),
-        level_sizes=draw(st.lists(st.integers(0, 60), min_size=1, max_size=5)),
-        num_classes=draw(st.integers(1, 7)),
-        logit_mean=draw(st.floats(-4.0, 2.0)),
-        per_image_anchors=draw(st.booleans()),
-    )
-
-
 @settings(max_examples=30, deadline=None)
 @given(
-    case=decode_cases(),
+    case=decode_cases(max_level_size=60, max_levels=5, max_classes=7),
     topk=st.integers(0, 80),
     score_threshold=st.sampled_from([0.05, 0.3, 0.9]),
     weights=st.sampled_from([UNIT_WEIGHTS, (10.0, 10.0, 5.0, 5.0)]),
@@ -438,7 +428,7 @@ def assert_fused_equals_composite(
 
 @settings(max_examples=30, deadline=None)
 @given(
-    case=decode_cases(),
+    case=decode_cases(max_level_size=60, max_levels=5, max_classes=7),
     topk=st.integers(0, 80),
     score_threshold=st.sampled_from([0.05, 0.3]),
     iou_threshold=st.sampled_from([0.3, 0.5, 0.7]),

@@ -11,6 +11,7 @@ from ops_testing import (
     assert_descending,
     assert_padding,
     assert_same_detections,
+    decode_cases,
     level_topk,
     make_decode_inputs,
     torchvision_level_candidates,
@@ -48,18 +49,6 @@ def check_against_torchvision(inputs, score_threshold, topk, weights=UNIT_WEIGHT
             assert_same_detections((*ours, labels[b, segment][:count]), reference[b])
         start += k
     return boxes, scores, labels
-
-
-@st.composite
-def decode_cases(draw):
-    return dict(
-        seed=draw(st.integers(0, 2**31 - 1)),
-        batch=draw(st.integers(0, 3)),
-        level_sizes=draw(st.lists(st.integers(0, 40), min_size=1, max_size=4)),
-        num_classes=draw(st.integers(1, 6)),
-        logit_mean=draw(st.floats(-4.0, 2.0)),
-        per_image_anchors=draw(st.booleans()),
-    )
 
 
 @settings(max_examples=40, deadline=None)

@@ -4,38 +4,11 @@ import math
 
 import pytest
 import torch
-import torchvision
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ops_testing import assert_padding
+from ops_testing import assert_padding, make_nms_inputs, torchvision_nms
 
 from bladesmith.ops import batched_nms
-
-
-def make_nms_inputs(seed, batch, num_boxes, num_labels, padding=0.0):
-    """Coordinates on a 1/4 grid below 64 and distinct scores: torchvision's batched_nms
-    shifts boxes by label * (max + 1), which is exact for these, so results must agree
-    bit for bit, ties of IoU with the threshold included."""
-    g = torch.Generator().manual_seed(seed)
-    corner = torch.randint(0, 160, (batch, num_boxes, 2), generator=g) / 4
-    extent = torch.randint(0, 96, (batch, num_boxes, 2), generator=g) / 4  # 0: zero area
-    scores = torch.rand(batch, 4096, generator=g).argsort(dim=1)[:, :num_boxes]
-    labels = torch.randint(0, num_labels, (batch, num_boxes), generator=g)
-    pad = torch.rand(batch, num_boxes, generator=g) < padding
-    boxes = torch.cat([corner, corner + extent], dim=-1).masked_fill(pad[..., None], 0)
-    scores = (scores.float() / 4096 + 1 / 8192).masked_fill(pad, 0)
-    return boxes, scores, labels.masked_fill(pad, -1)
-
-
-def torchvision_nms(boxes, scores, labels, iou_threshold, max_detections):
-    """Per image: the non-padding, non-NaN entries through torchvision, then the top."""
-    results = []
-    for image_boxes, image_scores, image_labels in zip(boxes, scores, labels):
-        valid = (image_labels >= 0) & ~image_scores.isnan()
-        kept = [image_boxes[valid], image_scores[valid], image_labels[valid]]
-        keep = torchvision.ops.batched_nms(*kept, iou_threshold)[:max_detections]
-        results.append(tuple(t[keep] for t in kept))
-    return results
 
 
 def check_against_torchvision(boxes, scores, labels, iou_threshold, max_detections):
