@@ -158,7 +158,10 @@ class Report:
         from rich.table import Table
         from rich.text import Text
 
-        console = console or Console()
+        if console is None:
+            console = Console()
+            if not console.is_terminal:  # piped or logged: rich would assume 80 columns
+                console = Console(width=160)
         model = self.model_info.get("name", "model")
         device = self.hardware_context.get("device", "?")
         hardware = self.hardware_context.get("microarchitecture")
