@@ -128,3 +128,18 @@ def test_doctor_exit_status_follows_errors_only(monkeypatch, capsys):
 def test_bare_command_prints_help_and_exits_2(capsys):
     assert main([]) == 2
     assert "COMMAND" in capsys.readouterr().out
+
+
+def test_argument_types_name_what_they_expect():
+    import argparse
+
+    from bladesmith.cli import at_least, input_size
+
+    assert input_size("480x640") == (480, 640) and input_size("32X48") == (32, 48)
+    for bad in ("480", "0x640", "axb"):
+        with pytest.raises(argparse.ArgumentTypeError, match="480x640|positive"):
+            input_size(bad)
+    assert at_least(1)("3") == 3 and at_least(0)("0") == 0
+    for bad in ("0", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="integer"):
+            at_least(1)(bad)

@@ -22,14 +22,6 @@ def model_file(tmp_path):
     return path
 
 
-def test_input_size_parses_height_by_width():
-    assert engine_cli.input_size("480x640") == (480, 640)
-    assert engine_cli.input_size("32X48") == (32, 48)
-    for bad in ("480", "0x640", "axb"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            engine_cli.input_size(bad)
-
-
 def test_optimize_a_model_file_then_bench_the_artifacts(tmp_path, model_file, capsys):
     out, report, chart = tmp_path / "opt.pt", tmp_path / "report.json", tmp_path / "chart.png"
     status = main(

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 
+from bladesmith.cli import at_least, input_size
+
 BUILTIN_MODELS = {
     # name -> build_retinanet(backbone=...)
     "torchvision:retinanet_resnet50_fpn": "resnet50",
@@ -74,8 +76,8 @@ def add_parser(subparsers) -> None:
         ),
     )
     bench.add_argument("artifacts", nargs="+", metavar="ARTIFACT", help=".pt2 or .pt files")
-    bench.add_argument("--warmup", type=_positive_or_zero, help="warm-up runs (default: device's)")
-    bench.add_argument("--iters", type=_positive, help="timed runs (default: device's)")
+    bench.add_argument("--warmup", type=at_least(0), help="warm-up runs (default: device's)")
+    bench.add_argument("--iters", type=at_least(1), help="timed runs (default: device's)")
     bench.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     bench.set_defaults(func=run_bench)
 
@@ -97,9 +99,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         metavar="HxW",
         help="image height x width (default: 480x640)",
     )
-    parser.add_argument("--batch", type=_positive, default=1, help="images per call")
-    parser.add_argument("--warmup", type=_positive_or_zero, help="warm-up runs per candidate")
-    parser.add_argument("--iters", type=_positive, help="timed runs per candidate")
+    parser.add_argument("--batch", type=at_least(1), default=1, help="images per call")
+    parser.add_argument("--warmup", type=at_least(0), help="warm-up runs per candidate")
+    parser.add_argument("--iters", type=at_least(1), help="timed runs per candidate")
     parser.add_argument(
         "--exclude", action="append", default=[], metavar="PASS", help="skip a pass (repeatable)"
     )
@@ -112,30 +114,6 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--report", metavar="PATH", help="write the report as JSON")
     parser.add_argument("--chart", metavar="PATH", help="write a PNG chart of latency per pass")
-
-
-def input_size(text: str) -> tuple[int, int]:
-    try:
-        height, width = (int(side) for side in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected HxW, e.g. 480x640; got {text!r}") from None
-    if height <= 0 or width <= 0:
-        raise argparse.ArgumentTypeError(f"sides must be positive; got {text!r}")
-    return height, width
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1; got {text!r}")
-    return value
-
-
-def _positive_or_zero(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}")
-    return value
 
 
 def run_optimize(args: argparse.Namespace) -> int:

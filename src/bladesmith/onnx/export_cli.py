@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from bladesmith.cli import at_least, input_size
+
 BUILTIN_RETINANET = "torchvision:retinanet_resnet50_fpn"
 DETECTION_OUTPUTS = ["boxes", "scores", "labels", "num_detections"]
 
@@ -46,15 +48,15 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--input-size",
-        type=_input_size,
+        type=input_size,
         default=(480, 640),
         metavar="HxW",
         help="image height and width (default 480x640)",
     )
-    parser.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
+    parser.add_argument("--batch", type=at_least(1), default=1, help="batch size (default 1)")
     parser.add_argument("--weights", help="built-in model only: a local state-dict file")
     parser.add_argument(
-        "--num-classes", type=_positive, default=91, help="built-in model only (default 91)"
+        "--num-classes", type=at_least(1), default=91, help="built-in model only (default 91)"
     )
     parser.add_argument(
         "--external-data",
@@ -62,26 +64,6 @@ def add_parser(subparsers) -> None:
         help="write the weights to OUT.data (automatic past 2 GiB)",
     )
     parser.set_defaults(func=run)
-
-
-def _input_size(text: str) -> tuple[int, int]:
-    try:
-        height, width = (int(part) for part in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected HxW such as 480x640, got {text!r}") from None
-    if height <= 0 or width <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive HxW, got {text!r}")
-    return height, width
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:
