@@ -23,57 +23,67 @@ inline float iou(const float* a, float area_a, const float* b, float area_b) {
 }
 
 // One image: returns the number of detections written from the front of the outputs.
+//
+// Greedy NMS keeps a box unless a kept box of its label, of a better score, overlaps it. In
+// one pass over all labels by descending score, each box is checked against the kept boxes of
+// its label only; the kept come out best first, so the pass stops at max_detections.
 template <typename scalar_t>
 int64_t nms_image(const scalar_t* boxes_in, const scalar_t* scores_in, const int64_t* labels,
                   int64_t num_boxes, double iou_threshold, int64_t max_detections,
                   scalar_t* boxes_out, scalar_t* scores_out, int64_t* labels_out) {
-  std::vector<float> boxes(num_boxes * 4), areas(num_boxes), scores(num_boxes);
-  std::vector<int64_t> order;
-  order.reserve(num_boxes);
-  for (int64_t i = 0; i < num_boxes; ++i) {
-    scores[i] = static_cast<float>(scores_in[i]);
-    if (labels[i] < 0 || std::isnan(scores[i])) continue;  // padding, or never selected
-    for (int c = 0; c < 4; ++c) boxes[i * 4 + c] = static_cast<float>(boxes_in[i * 4 + c]);
-    areas[i] = (boxes[i * 4 + 2] - boxes[i * 4]) * (boxes[i * 4 + 3] - boxes[i * 4 + 1]);
-    order.push_back(i);
-  }
-  const auto by_score = [&](int64_t i, int64_t j) {
-    return scores[i] > scores[j] || (scores[i] == scores[j] && i < j);
+  struct Entry {
+    float score;
+    int64_t slot;
   };
-  // Boxes of different labels never suppress each other, so each label is done alone.
-  std::sort(order.begin(), order.end(), [&](int64_t i, int64_t j) {
-    return labels[i] < labels[j] || (labels[i] == labels[j] && by_score(i, j));
+  std::vector<Entry> order;
+  std::vector<int64_t> label_values;  // the distinct labels, sorted
+  order.reserve(num_boxes);
+  label_values.reserve(num_boxes);
+  for (int64_t i = 0; i < num_boxes; ++i) {
+    const float score = static_cast<float>(scores_in[i]);
+    if (labels[i] < 0 || std::isnan(score)) continue;  // padding, or never selected
+    order.push_back({score, i});
+    label_values.push_back(labels[i]);
+  }
+  std::sort(order.begin(), order.end(), [](const Entry& a, const Entry& b) {
+    return a.score > b.score || (a.score == b.score && a.slot < b.slot);
   });
+  std::sort(label_values.begin(), label_values.end());
+  label_values.erase(std::unique(label_values.begin(), label_values.end()), label_values.end());
 
-  std::vector<char> suppressed(num_boxes, 0);
-  std::vector<int64_t> kept;
-  for (size_t start = 0, end; start < order.size(); start = end) {
-    end = start;
-    while (end < order.size() && labels[order[end]] == labels[order[start]]) ++end;
-    // Kept boxes come out by descending score, so beyond max_detections of one label none
-    // can make the final cut.
-    int64_t kept_in_label = 0;
-    for (size_t a = start; a < end && kept_in_label < max_detections; ++a) {
-      const int64_t i = order[a];
-      if (suppressed[i]) continue;
-      kept.push_back(i);
-      ++kept_in_label;
-      for (size_t b = a + 1; b < end; ++b) {
-        const int64_t j = order[b];
-        // Compared in double, as torchvision compares its float IoU with the double threshold.
-        if (!suppressed[j] &&
-            static_cast<double>(iou(&boxes[i * 4], areas[i], &boxes[j * 4], areas[j])) >
-                iou_threshold) {
-          suppressed[j] = 1;
-        }
-      }
+  struct Kept {
+    float box[4], area;
+    int64_t slot;
+    int64_t previous;  // the kept box of the same label before this one, or -1
+  };
+  std::vector<Kept> kept;
+  kept.reserve(std::min<int64_t>(max_detections, static_cast<int64_t>(order.size())));
+  std::vector<int64_t> last_kept(label_values.size(), -1);  // per label
+  for (const Entry& entry : order) {
+    if (static_cast<int64_t>(kept.size()) == max_detections) break;
+    const int64_t i = entry.slot;
+    Kept candidate{};
+    float* box = candidate.box;
+    for (int c = 0; c < 4; ++c) box[c] = static_cast<float>(boxes_in[i * 4 + c]);
+    candidate.area = (box[2] - box[0]) * (box[3] - box[1]);
+    const auto label = std::lower_bound(label_values.begin(), label_values.end(), labels[i]);
+    int64_t& last = last_kept[label - label_values.begin()];
+    bool suppressed = false;
+    for (int64_t k = last; k >= 0 && !suppressed; k = kept[k].previous) {
+      // Compared in double, as torchvision compares its float IoU with the double threshold.
+      suppressed = static_cast<double>(iou(kept[k].box, kept[k].area, box, candidate.area)) >
+                   iou_threshold;
     }
+    if (suppressed) continue;
+    candidate.slot = i;
+    candidate.previous = last;
+    last = static_cast<int64_t>(kept.size());
+    kept.push_back(candidate);
   }
 
-  const int64_t count = std::min<int64_t>(max_detections, static_cast<int64_t>(kept.size()));
-  std::partial_sort(kept.begin(), kept.begin() + count, kept.end(), by_score);
+  const int64_t count = static_cast<int64_t>(kept.size());
   for (int64_t d = 0; d < count; ++d) {
-    const int64_t i = kept[d];
+    const int64_t i = kept[d].slot;
     for (int c = 0; c < 4; ++c) boxes_out[d * 4 + c] = boxes_in[i * 4 + c];
     scores_out[d] = scores_in[i];
     labels_out[d] = labels[i];
