@@ -290,13 +290,15 @@ def hardware_context(device=None) -> dict:
     """The device the report's timings ran on (the CPU when ``device`` is None)."""
     import torch
 
+    from bladesmith.devices import cpu_model
+
     device = torch.device(device if device is not None else "cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     context = {
         "device_type": {"cuda": "gpu"}.get(device.type, device.type),
         "device": str(device),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpu_cores": os.cpu_count(),
     }
     if device.type == "cuda":
@@ -318,15 +320,6 @@ def _installed_version(distributions) -> str | None:
     return None
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _as_dict(value):
