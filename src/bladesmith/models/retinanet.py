@@ -172,7 +172,10 @@ class RetinaNetPipeline(nn.Module):
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         """Normalise, resize and pad as the model's transform does, with static shapes."""
-        if images.dim() != 4 or images.shape[1] != 3 or tuple(images.shape[-2:]) != self.image_size:
+        # The tracer (ONNX export) would warn on this Python check and record nothing.
+        if not torch.jit.is_tracing() and (
+            images.dim() != 4 or images.shape[1] != 3 or tuple(images.shape[-2:]) != self.image_size
+        ):
             raise ValueError(
                 f"images: expected a tensor [B, 3, {self.image_size[0]}, {self.image_size[1]}] "
                 f"(the size this pipeline was built for), got shape {tuple(images.shape)}"
