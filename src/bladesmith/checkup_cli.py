@@ -47,9 +47,9 @@ def run(args: argparse.Namespace) -> int:
 
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        from rich.console import Console
+        from bladesmith.report import output_console
 
-        render(result, Console())
+        render(result, output_console())
     return 1 if result.errors else 0
 
 

@@ -121,6 +121,7 @@ def run_optimize(args: argparse.Namespace) -> int:
 
     import bladesmith
     from bladesmith.devices import resolve_device
+    from bladesmith.report import output_console
 
     device = resolve_device(args.device)
     model, test_data = _model_and_inputs(args)
@@ -134,7 +135,7 @@ def run_optimize(args: argparse.Namespace) -> int:
     optimized, spec, report = bladesmith.optimize(
         model, level=args.level, device=device, test_data=test_data, config=config
     )
-    console = Console()
+    console = output_console()
     report.render(console)
     if args.report:
         report.to_json(args.report)
@@ -203,10 +204,10 @@ def run_bench(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from rich.console import Console
     from rich.table import Table
 
     from bladesmith.artifact import _write_atomically
+    from bladesmith.report import output_console
 
     measured = [_bench_one(path, args.warmup, args.iters) for path in args.artifacts]
     rows = [row for row, _ in measured]
@@ -234,7 +235,7 @@ def run_bench(args: argparse.Namespace) -> int:
             f"{rows[0]['timing']['p50_ms'] / timing['p50_ms']:.2f}x",
             row.get("agreement", "(reference)"),
         )
-    Console().print(table)
+    output_console().print(table)
     if args.json:
         text = json.dumps(rows, indent=2) + "\n"
         _write_atomically(Path(args.json), lambda path: path.write_text(text))

@@ -153,15 +153,11 @@ class Report:
 
     def render(self, console=None) -> None:
         """Print the report to a rich console (a new one on stdout by default)."""
-        from rich.console import Console
         from rich.markup import escape
         from rich.table import Table
         from rich.text import Text
 
-        if console is None:
-            console = Console()
-            if not console.is_terminal:  # piped or logged: rich would assume 80 columns
-                console = Console(width=160)
+        console = console or output_console()
         model = self.model_info.get("name", "model")
         device = self.hardware_context.get("device", "?")
         hardware = self.hardware_context.get("microarchitecture")
@@ -286,6 +282,15 @@ def software_context() -> list[dict]:
     return context
 
 
+def output_console():
+    """A rich console on stdout; 160 columns when piped or logged, where rich would
+    assume 80 and fold the report's tables into unreadable columns."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
 def hardware_context(device=None) -> dict:
     """The device the report's timings ran on (the CPU when ``device`` is None)."""
     import torch
@@ -318,8 +323,6 @@ def _installed_version(distributions) -> str | None:
         except metadata.PackageNotFoundError:
             continue
     return None
-
-
 
 
 def _as_dict(value):
