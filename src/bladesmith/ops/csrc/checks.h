@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -80,6 +81,17 @@ inline void check_same_device(const at::Tensor& t, const char* name, const at::T
                               const char* ref_name) {
   TORCH_CHECK_VALUE(t.device() == ref.device(), name, ": expected device ", ref.device(),
                     " (the device of ", ref_name, "), got ", t.device());
+}
+
+// sigmoid is monotonic: a score above `threshold` needs a logit above this bound, so only
+// such logits need exp(). The bound sits a few ulps of the dtype (`epsilon`) below
+// logit(threshold), so rounding of the score never drops a candidate that passes.
+inline float logit_bound(double threshold, double epsilon) {
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  if (threshold <= 0) return -inf;
+  if (threshold >= 1) return inf;  // a score never exceeds 1
+  const double t = threshold * (1.0 - 8.0 * epsilon);
+  return std::nextafter(static_cast<float>(std::log(t / (1.0 - t))), -inf);
 }
 
 inline DecodeShape check_decode_inputs(const at::Tensor& cls_logits, const at::Tensor& bbox_deltas,

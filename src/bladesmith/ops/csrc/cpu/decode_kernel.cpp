@@ -39,17 +39,6 @@ struct Better {
   }
 };
 
-// A score above `threshold` needs a logit above this bound, so only such logits need exp().
-// The bound sits a few ulps of the dtype below logit(threshold), so rounding of the score
-// never drops a candidate that passes.
-float logit_bound(double threshold, double epsilon) {
-  constexpr float inf = std::numeric_limits<float>::infinity();
-  if (threshold <= 0) return -inf;
-  if (threshold >= 1) return inf;  // a score never exceeds 1
-  const double t = threshold * (1.0 - 8.0 * epsilon);
-  return std::nextafter(static_cast<float>(std::log(t / (1.0 - t))), -inf);
-}
-
 // A candidate whose score reaches `score` has a logit above this bound. Rounding to the dtype
 // takes a float sigmoid of at least the midpoint to the next lower value of the dtype, which
 // for a normal `score` is at least score * (1 - epsilon / 2): from there only float's

@@ -386,16 +386,6 @@ uint32_t float_bits(float f) {
   return u;
 }
 
-// sigmoid is monotonic, so logits at or below this bound cannot pass: a few ulps of the dtype
-// below logit(threshold), so that rounding of the score never drops a passing logit.
-float logit_bound(float threshold, double epsilon) {
-  constexpr float inf = std::numeric_limits<float>::infinity();
-  if (threshold <= 0) return -inf;
-  if (threshold >= 1) return inf;  // a score never exceeds 1
-  const double t = threshold * (1.0 - 8.0 * epsilon);
-  return std::nextafter(static_cast<float>(std::log(t / (1.0 - t))), -inf);
-}
-
 template <typename Kernel>
 int64_t resident_grid(Kernel kernel, int64_t num_tiles) {
   int per_sm = 0;
