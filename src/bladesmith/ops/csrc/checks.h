@@ -164,6 +164,13 @@ inline DecodeShape check_decode_inputs(const at::Tensor& cls_logits, const at::T
   return shape;
 }
 
+// The scalar arguments of NMS, checked on their own by kernels that fuse decode and NMS.
+inline void check_nms_arguments(double iou_threshold, int64_t max_detections) {
+  TORCH_CHECK_VALUE(!std::isnan(iou_threshold), "iou_threshold: expected a number, got nan");
+  TORCH_CHECK_VALUE(max_detections >= 0, "max_detections: expected a non-negative integer, got ",
+                    max_detections);
+}
+
 inline void check_nms_inputs(const at::Tensor& boxes, const at::Tensor& scores,
                              const at::Tensor& labels, double iou_threshold,
                              int64_t max_detections) {
@@ -180,9 +187,7 @@ inline void check_nms_inputs(const at::Tensor& boxes, const at::Tensor& scores,
   check_size(labels, "labels", 1, boxes.size(1), "K of boxes", "[B, K]");
   check_dtype(labels, "labels", at::kLong);
   check_same_device(labels, "labels", boxes, "boxes");
-  TORCH_CHECK_VALUE(!std::isnan(iou_threshold), "iou_threshold: expected a number, got nan");
-  TORCH_CHECK_VALUE(max_detections >= 0, "max_detections: expected a non-negative integer, got ",
-                    max_detections);
+  check_nms_arguments(iou_threshold, max_detections);
 }
 
 }  // namespace bladesmith

@@ -26,9 +26,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> retinanet_postprocess
   const DecodeShape shape =
       check_decode_inputs(cls_logits, bbox_deltas, anchors, level_sizes, image_sizes,
                           score_threshold, topk_candidates, weights, bbox_clip);
-  TORCH_CHECK_VALUE(!std::isnan(iou_threshold), "iou_threshold: expected a number, got nan");
-  TORCH_CHECK_VALUE(max_detections >= 0, "max_detections: expected a non-negative integer, got ",
-                    max_detections);
+  check_nms_arguments(iou_threshold, max_detections);
   const c10::cuda::CUDAGuard guard(cls_logits.device());
   const int64_t B = shape.batch, K = shape.num_candidates;
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> outputs;
