@@ -366,7 +366,7 @@ def test_detections_at_the_score_cut_are_excused():
     # Both lists keep 3 per image; rounding swapped which of two near-equal detections
     # made the cut (0.5001 vs 0.4999): neither side is wrong.
     reference = _ranked([0.9, 0.7, 0.5001, 0.0])
-    candidate = _ranked([0.9, 0.7, 0.0, 0.4999])
+    candidate = _ranked([0.9, 0.7003, 0.0, 0.4999])  # rounding moved a score by 3e-4
     reference = [{k: v[:3] for k, v in reference.items()}]
     candidate = [{k: v[[0, 1, 3]] for k, v in candidate.items()}]
     result = compare_detections(reference, candidate, score_atol=1e-3)
@@ -408,7 +408,17 @@ def test_nms_choice_on_a_near_tie_is_excused(shifted_box, shifted_score, excused
     # NMS kept the reference's box; the candidate's rounding kept its overlapping twin.
     low = [300.0, 300.0, 400.0, 400.0]
     reference = [_image([[0.0, 0.0, 100.0, 100.0], low], [0.8, 0.1])]
-    candidate = [_image([shifted_box, low], [shifted_score, 0.1])]
+    candidate = [_image([shifted_box, low], [shifted_score, 0.1004])]  # rounding: 4e-4
     result = compare_detections(reference, candidate, score_atol=1e-3)
     assert result.passed is excused, result.summary()
     assert result.excused == (2 if excused else 0)
+
+
+def test_near_ties_are_judged_by_what_rounding_really_moved():
+    # Same swap as above, but the matched scores are bit-identical: nothing was
+    # rounded differently, so a 5e-4 gap is no tie, whatever score_atol allows.
+    low = [300.0, 300.0, 400.0, 400.0]
+    reference = [_image([[0.0, 0.0, 100.0, 100.0], low], [0.8, 0.1])]
+    candidate = [_image([[10.0, 0.0, 110.0, 100.0], low], [0.7995, 0.1])]
+    result = compare_detections(reference, candidate, score_atol=1e-2)
+    assert not result.passed and result.excused == 0

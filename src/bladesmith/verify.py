@@ -317,8 +317,9 @@ def compare_detections(
     are excused (counted in ``excused``), not counted against precision or recall.
     Likewise greedy NMS keeps one of two overlapping boxes of a class by score: when
     they overlap by at least ``tie_iou`` (torchvision detectors' NMS threshold) and
-    score within ``score_atol``, either choice is right, and such an unmatched pair is
-    excused too.
+    score that close, either choice is right, and such an unmatched pair is excused too.
+    "Close" is within twice the largest score change among the image's matched pairs
+    (what rounding really moved), and never more than ``score_atol``.
     """
     _check_detections("reference", reference)
     if score_atol is None:
@@ -350,6 +351,7 @@ def compare_detections(
         iou = _box_iou(ref_boxes, cand_boxes)
         eligible = (ref_labels[:, None] == cand_labels[None, :]) & usable[None, :]
         eligible &= iou >= iou_threshold
+        image_start = len(score_devs)
         ref_matched = np.zeros(len(ref_scores), dtype=bool)
         cand_matched = np.zeros(len(cand_scores), dtype=bool)
         for i in np.argsort(-ref_scores, kind="stable"):
@@ -364,6 +366,10 @@ def compare_detections(
             box_devs.append(np.abs(ref_boxes[i] - cand_boxes[j]).max())
             score_devs.append(abs(ref_scores[i] - cand_scores[j]))
         cand_matched |= ~usable  # never excused
+        # A near tie is a gap no wider than twice the largest score change among this
+        # image's matched pairs: what the candidate's rounding actually moved, capped by
+        # score_atol (the dtype's tolerance is far wider than what bf16 moves scores).
+        tie_band = min(score_atol, 2 * max(score_devs[image_start:], default=0.0))
         swapped = _tie_swaps(
             iou,
             ref_labels,
@@ -373,13 +379,13 @@ def compare_detections(
             ref_matched,
             cand_matched,
             tie_iou,
-            score_atol,
+            tie_band,
         )
         # Swaps across the cut come in pairs: one left each list near the cut. A lone
         # one (a duplicate, a detection lost at the threshold) is not excused.
         swapped += min(
-            _near_cut(ref_scores, ~ref_matched, cand_scores, score_atol),
-            _near_cut(cand_scores, ~cand_matched, ref_scores, score_atol),
+            _near_cut(ref_scores, ~ref_matched, cand_scores, tie_band),
+            _near_cut(cand_scores, ~cand_matched, ref_scores, tie_band),
         )
         result.excused += 2 * swapped
         result.reference_count -= swapped
