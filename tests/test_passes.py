@@ -73,9 +73,7 @@ def optimized_detector(retinanet, photos):
         retinanet,
         device="cpu",
         test_data=[(photos,)],
-        # bf16 runs on CPUs with bf16 instructions only: left out, so the passes kept
-        # don't depend on the machine.
-        config=Config(warmup=0, iters=1, exclude=["onnxruntime", "bf16"], min_speedup=0.01),
+        config=Config(warmup=0, iters=1, exclude=["onnxruntime"], min_speedup=0.01),
         passes=passes,
     )
     return (*result, state)
@@ -248,13 +246,3 @@ def test_gpu_passes_on_a_detector(retinanet, photos):
         expected = copy.deepcopy(retinanet).cuda()([p.cuda() for p in photos])
     assert compare_detections(expected, optimized(photos)).passed
     assert CudaGraph.name in spec.passes or records["cuda_graph"].status == "rejected"
-
-
-def test_bf16_on_cpu_needs_bf16_instructions(monkeypatch):
-    candidate = Candidate(module=nn.Linear(4, 2), device=torch.device("cpu"))
-    context = context_for((torch.randn(3, 4),))
-    assert "cpu" in BFloat16.devices and "cpu" not in Float16.devices
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    assert "no bf16 instructions" in BFloat16().skip_reason(candidate, context)
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
-    assert BFloat16().skip_reason(candidate, context) is None

@@ -65,14 +65,9 @@ class Float16(Pass):
 
 @register
 class BFloat16(Float16):
-    """bfloat16 weights and activations, tried when fp16 was not kept (overflow, accuracy).
-
-    Also on CPUs with bf16 instructions (AVX512-BF16, AMX), where oneDNN's bf16
-    convolutions run about twice as fast as float32 ones.
-    """
+    """bfloat16 weights and activations, tried when fp16 was not kept (overflow, accuracy)."""
 
     name = "bf16"
-    devices = ("cuda", "cpu")
     dtype = torch.bfloat16
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
@@ -80,8 +75,6 @@ class BFloat16(Float16):
             return "fp16 was kept; bf16 is tried only when fp16 is not"
         if context.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             return f"{torch.cuda.get_device_name(context.device)} has no bf16 support"
-        if context.device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return "this CPU has no bf16 instructions (AVX512-BF16 or AMX)"
         return super().skip_reason(candidate, context)
 
 
