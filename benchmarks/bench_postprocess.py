@@ -1,7 +1,7 @@
 """RetinaNet post-processing, torchvision against bladesmith's operators, side by side.
 
     python benchmarks/bench_postprocess.py [--device cuda|cpu] [--dtype float32|float16|bfloat16]
-                                           [--quick] [--json PATH]
+                                           [--quick] [--json PATH] [--profile]
 
 The load is that of a 480x640 image through torchvision's RetinaNet: five levels (P3-P7)
 of 9 anchors per position (N_l = 43200, 10800, 2700, 720, 180; 57,600 anchors), anchors
@@ -22,6 +22,7 @@ from the L2 cache. Every row first checks that the detections agree with torchvi
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -146,6 +147,22 @@ def agreement(reference: list[dict], ours: list[dict]) -> str:
     return f"F1 {result.f1:.4f}" + ("" if result.passed else " FAIL")
 
 
+def print_kernel_times(name: str, call, runs: int = 50) -> None:
+    """Device time per CUDA kernel of ``call``, averaged over ``runs`` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            call()
+        torch.cuda.synchronize()
+    print(f"kernels of {name}, per call (us):")
+    for event in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+        if event.device_time_total > 0:
+            print(f"  {event.device_time_total / runs:9.1f}  {event.key[:100]}")
+
+
 def rotate(calls):
     cycle = itertools.cycle(calls)
     return lambda: next(cycle)()
@@ -204,7 +221,7 @@ def target_row(case, reference_ms, eager, graph, target, check, agree, logits_by
     return row
 
 
-def run(device, dtype, quick: bool) -> tuple[list[Row], dict]:
+def run(device, dtype, quick: bool, profile: bool = False) -> tuple[list[Row], dict]:
     bench = Bench(device, quick)
     model = retinanet_resnet50_fpn(
         weights=None, weights_backbone=None, num_classes=NUM_CLASSES
@@ -230,6 +247,8 @@ def run(device, dtype, quick: bool) -> tuple[list[Row], dict]:
             rotate([torchvision_call(model, s) for s in sets]), bench.torchvision_runs
         )
         eager, graph = bench.ours([postprocess_call(s) for s in sets])
+        if profile:
+            print_kernel_times(f"retinanet_postprocess, batch {batch}", postprocess_call(sets[0]))
         rows.append(
             target_row(
                 f"postprocess B={batch}",
@@ -244,7 +263,11 @@ def run(device, dtype, quick: bool) -> tuple[list[Row], dict]:
         eager, graph = bench.ours([decode_call(s) for s in sets])
         rows.append(Row(f"decode B={batch}", None, eager, graph, "-", None, "-", logits_bytes))
         if batch == 1:
-            rows.append(nms_row(bench, [decode_call(s)() for s in sets]))
+            candidates = [decode_call(s)() for s in sets]
+            rows.append(nms_row(bench, candidates))
+            if profile:
+                nms = functools.partial(batched_nms, *candidates[0], IOU, DETECTIONS)
+                print_kernel_times("batched_nms", nms)
         del sets, reference
     return rows, load
 
@@ -321,12 +344,15 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--quick", action="store_true", help="a few iterations, to try it out")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--profile", action="store_true", help="CUDA: device time per kernel")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU here (use --device cpu)")
     device = torch.device(args.device)
     with torch.inference_mode():
-        rows, load = run(device, DTYPES[args.dtype], args.quick)
+        rows, load = run(
+            device, DTYPES[args.dtype], args.quick, args.profile and device.type == "cuda"
+        )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     header = (
         f"RetinaNet post-processing, 480x640, {NUM_CLASSES} classes, {args.dtype}, on {name} "

@@ -372,7 +372,9 @@ def test_detections_at_the_score_cut_are_excused():
     result = compare_detections(reference, candidate, score_atol=1e-3)
     assert result.passed, result.summary()
     assert result.excused == 2 and result.matched == 2 and result.f1 == 1.0
-    assert "2 on near ties excused" in result.summary()
+    assert result.strict_f1 == 2 / 3  # 2 matched of 3 on each side
+    assert "2 on near ties excused; strict F1 0.6667" in result.summary()
+    assert result.to_dict()["strict_f1"] == result.strict_f1
 
 
 def test_detections_far_below_the_cut_are_not_excused():

@@ -236,11 +236,23 @@ class DetectionComparison:
     tolerance_ratio: float = 0.0  # worst of the F1 shortfall and score deviation, as above
     reasons: list[str] = field(default_factory=list)
 
+    @property
+    def strict_f1(self) -> float:
+        """F1 with nothing excused: every near-tie pair counted as one miss each way."""
+        swapped = self.excused // 2
+        p = _ratio(self.matched, self.candidate_count + swapped)
+        r = _ratio(self.matched, self.reference_count + swapped)
+        return 2 * p * r / (p + r) if p + r > 0 else 0.0
+
     def summary(self) -> str:
         text = (
             f"F1 {self.f1:.4g} (min {self.min_f1:g}), {self.matched} matched of "
             f"{self.reference_count} reference / {self.candidate_count} candidate"
-            + (f" ({self.excused} on near ties excused), " if self.excused else ", ")
+            + (
+                f" ({self.excused} on near ties excused; strict F1 {self.strict_f1:.4g}), "
+                if self.excused
+                else ", "
+            )
             + f"max box dev {_sci(self.max_box_deviation)} px, "
             f"max score dev {_sci(self.max_score_deviation)} (atol {_sci(self.score_atol)})"
         )
@@ -262,6 +274,7 @@ class DetectionComparison:
             "precision": self.precision,
             "recall": self.recall,
             "f1": self.f1,
+            "strict_f1": self.strict_f1,
             "max_box_deviation": self.max_box_deviation,
             "max_score_deviation": self.max_score_deviation,
             "mean_iou": self.mean_iou,

@@ -1,0 +1,86 @@
+"""How batched_nms's CUDA kernels scale: device time per kernel as the number of
+candidates, the detections kept and the overlap change (torch.profiler), to see which
+part of the operator costs what. Also prints the SM clock the GPU runs at.
+
+    python benchmarks/bench_nms_scaling.py
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torchvision.models.detection import retinanet_resnet50_fpn
+
+from bench_postprocess import DETECTIONS, IOU, THRESHOLD, TOPK, realistic_inputs
+from bladesmith.ops import batched_nms, load_library, retinanet_decode
+from gpu_clock import effective_mhz
+
+
+def kernel_times(call, runs: int = 30) -> dict[str, float]:
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            call()
+        torch.cuda.synchronize()
+    return {
+        e.key.split("(")[0].split("::")[-1].split("<")[0]: e.device_time_total / runs
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    }
+
+
+def clustered(count: int, per_cluster: int, device) -> tuple:
+    """Candidates in tight same-class clusters (a trained model's many boxes per object):
+    NMS suppresses most of them."""
+    g = torch.Generator(device=device).manual_seed(0)
+    centres = torch.rand(count // per_cluster, 2, generator=g, device=device) * 600
+    centres = centres.repeat_interleave(per_cluster, 0)
+    jitter = torch.randn(len(centres), 4, generator=g, device=device) * 3
+    boxes = torch.cat([centres - 20, centres + 20], 1) + jitter
+    scores = torch.rand(len(centres), generator=g, device=device)
+    labels = torch.randint(0, 80, (count // per_cluster,), generator=g, device=device)
+    labels = labels.repeat_interleave(per_cluster)
+    return boxes[None], scores[None], labels[None]
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    load_library()
+    print(f"SM clock: {effective_mhz():.0f} MHz")
+    model = retinanet_resnet50_fpn(weights=None, weights_backbone=None, num_classes=80).eval()
+    with torch.inference_mode():
+        inputs = realistic_inputs(model, 1, device, torch.float32, seed=0)
+        boxes, scores, labels = retinanet_decode(
+            **inputs, score_threshold=THRESHOLD, topk_candidates=TOPK
+        )
+        cases = []
+        for count in (256, 1024, 5000):
+            for detections in (1, 50, DETECTIONS):
+                cases.append(
+                    (
+                        f"decoded, {count} candidates, keep {detections}",
+                        boxes[:, :count],
+                        scores[:, :count],
+                        labels[:, :count],
+                        detections,
+                    )
+                )
+        for per_cluster in (10, 100):
+            cases.append(
+                (
+                    f"clusters of {per_cluster}, 5000 candidates, keep {DETECTIONS}",
+                    *clustered(5000, per_cluster, device),
+                    DETECTIONS,
+                )
+            )
+        for name, b, s, lab, d in cases:
+            times = kernel_times(lambda: batched_nms(b, s, lab, IOU, d))  # noqa: B023
+            kept = int(batched_nms(b, s, lab, IOU, d)[3][0])
+            text = ", ".join(f"{k} {v:.1f}" for k, v in sorted(times.items(), key=lambda x: -x[1]))
+            print(f"{name} (kept {kept}): {text} us")
+    print(f"SM clock after: {effective_mhz():.0f} MHz")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Combinations of optimize's passes, composed by hand without the accuracy gate: the
+latency and the F1 of each, side by side, to see what the gate's choices cost.
+
+    python benchmarks/bench_passes.py                                  # GPU, default combos
+    python benchmarks/bench_passes.py --batches 32 --combos adapter,fp16,cuda_graph
+    python benchmarks/bench_passes.py --device cpu --threads 2 --combos adapter,torchscript
+
+Each combo is a comma-separated list of pass names, applied in that order ("adapter"
+is short for retinanet_adapter). The model is the realistic-load RetinaNet R50-FPN of
+bench_optimize.py on real photographs; every row is timed on the same images and its
+detections are compared with eager float32's: F1 with near ties excused (what
+optimize's gate uses) and strict F1 (every unmatched detection counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import bladesmith
+from bladesmith.artifact import OptimizedModule
+from bladesmith.bench import measure
+from bladesmith.config import Config
+from bladesmith.models.images import sample_images
+from bladesmith.models.retinanet import build_retinanet
+from bladesmith.passes import Candidate, Context
+from bladesmith.passes.registry import create_all
+from bladesmith.verify import compare_detections
+
+GPU_COMBOS = (
+    "adapter,cuda_graph",
+    "adapter,channels_last,cuda_graph",
+    "adapter,fp16,cuda_graph",
+    "adapter,fp16,channels_last,cuda_graph",
+    "adapter,fp16,inductor,cuda_graph",
+    "adapter,fp16,channels_last,inductor,cuda_graph",
+    "adapter,channels_last,inductor,cuda_graph",
+)
+CPU_COMBOS = ("adapter", "adapter,torchscript", "adapter,onnxruntime")
+ALIASES = {"adapter": "retinanet_adapter"}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = bladesmith.devices.resolve_device(args.device)
+    passes = {p.name: p for p in create_all()}
+    model = build_retinanet(args.input_size).to(device).eval()
+    rows = []
+    for batch in args.batches:
+        images = list(sample_images(batch, args.input_size, device=device))
+        with torch.no_grad():
+            reference = model(images)
+        rows.append(timed("eager fp32", model, images, reference, args, batch, device))
+        for combo in args.combos:
+            names = [ALIASES.get(n, n) for n in combo.split(",")]
+            context = Context(
+                device=device,
+                level=args.level,
+                config=Config(),
+                example_args=(images,),
+                test_args=[(images,)],
+            )
+            started = time.perf_counter()
+            try:
+                candidate = Candidate(module=model, device=device)
+                for name in names:
+                    candidate = passes[name].apply(candidate, context)
+                    context.kept.append(name)
+                module = OptimizedModule.from_candidate(candidate)
+                row = timed(combo, module, images, reference, args, batch, device)
+            except Exception as error:  # one failing combo must not hide the others
+                row = {"name": combo, "batch": batch, "error": f"{type(error).__name__}: {error}"}
+                print(f"{combo}, batch {batch}: FAILED {row['error'][:300]}", flush=True)
+            row["build_s"] = time.perf_counter() - started
+            rows.append(row)
+            del context, candidate
+            gc.collect()
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2, default=str) + "\n")
+
+
+def timed(name, fn, images, reference, args, batch, device) -> dict:
+    warmup, iters = (args.warmup, args.iters) if batch == 1 else (3, args.iters // 4 or 1)
+    with torch.no_grad():
+        outputs = fn(images)
+        timing = measure(fn, (images,), warmup=warmup, iters=iters, device=device, batch_size=batch)
+    accuracy = compare_detections(reference, outputs)
+    row = {
+        "name": name,
+        "batch": batch,
+        "p50_ms": timing.p50_ms,
+        "mean_ms": timing.mean_ms,
+        "images_per_s": timing.throughput,
+        "f1": accuracy.f1,
+        "strict_f1": accuracy.strict_f1,
+        "max_score_deviation": accuracy.max_score_deviation,
+        "passed": accuracy.passed,
+    }
+    print(f"{name}, batch {batch}: {timing.p50_ms:.3f} ms, {accuracy.summary()}", flush=True)
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    eager = {r["batch"]: r["p50_ms"] for r in rows if r["name"] == "eager fp32"}
+    header = f"{'combo':<52} {'batch':>5} {'p50 ms':>9} {'img/s':>7} {'vs eager':>8} "
+    header += f"{'F1':>7} {'strict':>7} {'max score dev':>13} {'build s':>8}"
+    print(header)
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:<52} {r['batch']:>5} FAILED: {r['error'][:80]}")
+            continue
+        dev = r["max_score_deviation"]
+        print(
+            f"{r['name']:<52} {r['batch']:>5} {r['p50_ms']:>9.3f} {r['images_per_s']:>7.0f} "
+            f"{eager[r['batch']] / r['p50_ms']:>7.2f}x {r['f1']:>7.4f} {r['strict_f1']:>7.4f} "
+            f"{'-' if dev is None else format(dev, '.2e'):>13} "
+            f"{r.get('build_s', 0):>8.1f}"
+        )
+
+
+def parse_args() -> argparse.Namespace:
+    from bladesmith.cli import input_size
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--level", default="o1", choices=("o0", "o1", "o2"))
+    parser.add_argument("--input-size", type=input_size, default=(480, 640), metavar="HxW")
+    parser.add_argument("--batches", type=lambda t: [int(b) for b in t.split(",")], default=None)
+    parser.add_argument("--combos", nargs="+", default=None, help="pass lists, e.g. adapter,fp16")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    on_gpu = bladesmith.devices.resolve_device(args.device).type == "cuda"
+    args.batches = args.batches or ([1, 32] if on_gpu else [1])
+    args.combos = args.combos or list(GPU_COMBOS if on_gpu else CPU_COMBOS)
+    return args
+
+
+if __name__ == "__main__":
+    main()
