@@ -7,6 +7,8 @@ part of the operator costs what. Also prints the SM clock the GPU runs at.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 from torchvision.models.detection import retinanet_resnet50_fpn
@@ -23,11 +25,12 @@ def kernel_times(call, runs: int = 30) -> dict[str, float]:
         for _ in range(runs):
             call()
         torch.cuda.synchronize()
-    return {
-        e.key.split("(")[0].split("::")[-1].split("<")[0]: e.device_time_total / runs
-        for e in prof.key_averages()
-        if e.device_time_total > 0
-    }
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_time_total > 0:
+            name = re.search(r"(\w+)\s*[<(]", event.key.removeprefix("void ")).group(1)
+            times[name] = times.get(name, 0.0) + event.device_time_total / runs
+    return times
 
 
 def clustered(count: int, per_cluster: int, device) -> tuple:
@@ -42,6 +45,17 @@ def clustered(count: int, per_cluster: int, device) -> tuple:
     labels = torch.randint(0, 80, (count // per_cluster,), generator=g, device=device)
     labels = labels.repeat_interleave(per_cluster)
     return boxes[None], scores[None], labels[None]
+
+
+def grid(count: int, num_labels: int, device) -> tuple:
+    """Boxes on a grid that never overlap, labels cycling over ``num_labels``: NMS keeps
+    every one, after comparing each with the kept boxes of its label."""
+    side = int(count**0.5) + 1
+    i = torch.arange(count, device=device)
+    corners = torch.stack([i % side, i // side], 1).float() * 20
+    boxes = torch.cat([corners, corners + 10], 1)
+    scores = torch.linspace(1, 0.1, count, device=device)
+    return boxes[None], scores[None], (i % num_labels)[None]
 
 
 def main() -> None:
@@ -64,6 +78,15 @@ def main() -> None:
                         scores[:, :count],
                         labels[:, :count],
                         detections,
+                    )
+                )
+        for count in (64, 128, 256, 512, 1024):
+            for num_labels in (count, 1):
+                cases.append(
+                    (
+                        f"grid, {count} candidates, {num_labels} labels, keep all",
+                        *grid(count, num_labels, device),
+                        count,
                     )
                 )
         for per_cluster in (10, 100):

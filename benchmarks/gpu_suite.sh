@@ -2,8 +2,9 @@
 # The GPU machine's work in one command: build the operators with CUDA, then the steps
 # named (default: all of them). Logs and JSON go to $OUT (default ./out). Uses the
 # machine's own python3 and torch, and bladesmith from src/.
-#   bash benchmarks/gpu_suite.sh [cuda-tests] [tests] [bench-ops] [bench-optimize]
-# cuda-tests runs only the tests marked `cuda` (the rest run in CI on the CPU).
+#   bash benchmarks/gpu_suite.sh [cuda-tests] [cuda-ops-tests] [tests] [bench-ops] [bench-optimize]
+# cuda-tests runs only the tests marked `cuda` (the rest run in CI on the CPU);
+# cuda-ops-tests only those of the custom operators.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
@@ -21,17 +22,22 @@ step() {  # step NAME COMMAND...: run it, log to $out/NAME.log, remember a failu
     echo "=== $name: exit $rc after $((SECONDS - start)) s"
     [ "$rc" -eq 0 ] || status=1
 }
-pytest=(python3 -m pytest -q -ra -p no:cacheprovider)
+pytest=(python3 -X faulthandler -m pytest -q -ra -p no:cacheprovider)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | tee "$out/gpu.txt"
 step build python3 -m bladesmith ops build --cuda
 for s in $steps; do
     case $s in
         cuda-tests) step cuda-tests "${pytest[@]}" --maxfail=25 -m cuda tests ;;
+        cuda-ops-tests) step cuda-ops-tests "${pytest[@]}" --maxfail=25 -m cuda tests/ops ;;
         tests) step tests "${pytest[@]}" tests ;;
         bench-ops)
             step bench-ops-fp32 python3 benchmarks/bench_postprocess.py --json "$out/bench_postprocess_fp32.json"
             step bench-ops-fp16 python3 benchmarks/bench_postprocess.py --dtype float16 --json "$out/bench_postprocess_fp16.json" ;;
-        bench-optimize) step bench-optimize python3 benchmarks/bench_optimize.py --json "$out/bench_optimize.json" ;;
+        bench-optimize)  # one process per batch size: a failure in one keeps the other
+            for batch in 1 32; do
+                step "bench-optimize-b$batch" python3 benchmarks/bench_optimize.py --batches "$batch" \
+                    --json "$out/bench_optimize_b$batch.json"
+            done ;;
         *) echo "unknown step $s"; status=1 ;;
     esac
 done

@@ -10,7 +10,7 @@ import bladesmith
 from bladesmith.config import Config
 from bladesmith.errors import BladesmithError
 from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
-from bladesmith.verify import compare_detections, default_tolerance
+from bladesmith.verify import compare_detections, detection_score_tolerance
 from engine_testing import Memoized, tiny_detector
 
 QUICK = Config(warmup=0, iters=1)
@@ -104,10 +104,10 @@ def test_aoti_detector_round_trip_on_gpu(tmp_path):
     )
     assert spec.save_formats[0] == ".pt2"
     loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "detector.pt2"))
-    # AOTInductor compiles its own kernels: outputs agree within the network dtype's
-    # tolerance, not bit for bit.
-    rtol, atol = default_tolerance(getattr(torch, spec.dtype))
-    comparison = compare_detections(optimized(photos), loaded(photos), score_atol=rtol + atol)
+    # AOTInductor compiles its own kernels (TF32 convolutions in float32): scores agree
+    # within the detection tolerance of the network's dtype, not bit for bit.
+    score_atol = detection_score_tolerance(getattr(torch, spec.dtype))
+    comparison = compare_detections(optimized(photos), loaded(photos), score_atol=score_atol)
     assert comparison.passed, comparison.summary()
 
 

@@ -347,7 +347,8 @@ def many_nms_inputs(seed, batch, num_boxes, num_labels):
     return torch.cat([corner, corner + extent], -1), (scores + 1) / (num_boxes + 1), labels
 
 
-@pytest.mark.parametrize("num_boxes", [5000, 12000])  # 12000: the sort goes through CUB
+# Sort paths: one tile (<= 1024), tiles merged (<= 8192), CUB's radix sort (larger).
+@pytest.mark.parametrize("num_boxes", [1024, 1025, 5000, 8192, 8193, 12000])
 def test_nms_large(num_boxes):
     inputs = many_nms_inputs(18, 2, num_boxes, 3)
     for threshold, max_detections in ((0.3, 300), (0.7, num_boxes)):
@@ -365,6 +366,17 @@ def test_nms_suppression_by_detections_past_the_kept_cache():
     ours = batched_nms(boxes.to(CUDA), scores.to(CUDA), labels.to(CUDA), 0.9, 4000)
     assert_equal(ours, batched_nms(boxes, scores, labels, 0.9, 4000))
     assert bool((ours[3] > 1200).all())
+
+
+def test_nms_labels_sharing_a_bucket():
+    # Kept detections are listed per label bucket (label mod 128): labels that share a
+    # bucket, and one label throughout (the longest lists), must not mix.
+    boxes, scores, labels = make_nms_inputs(23, 3, 3000, 3)
+    labels = labels.where(labels < 0, labels * 128 + (1 << 40) * (labels == 2))
+    labels[1] = labels[1].clamp(max=0)
+    ours = batched_nms(boxes.to(CUDA), scores.to(CUDA), labels.to(CUDA), 0.5, 3000)
+    assert_equal(ours, batched_nms(boxes, scores, labels, 0.5, 3000))
+    assert len(torch.unique(ours[2][0])) == 4  # three labels and the padding
 
 
 def test_nms_edge_cases():

@@ -1,18 +1,23 @@
 // Greedy class-aware NMS over candidates sorted by descending key, one block per image, as
 // cpu/nms_kernel.cpp defines it, stopping as soon as max_detections are kept.
 //
-// Candidates come 256 at a time. Each is first tested against the detections kept so far
-// (kept boxes are cached in shared memory); the survivors are then resolved 64 at a time: a
-// 64x64 IoU bitmask of the group (upper triangle, same label only), then one warp walks the
-// group's survivors in order, keeping each one not yet suppressed and removing the ones its
-// row suppresses. No mask over all candidate pairs is ever built, and the outputs are written
-// as detections are kept.
+// Candidates come 256 at a time and are resolved 64 at a time (one 64-bit mask word):
+//  1. in parallel, each candidate is tested against the detections kept so far of its label
+//     (kept detections are listed per label bucket, each bucket split four ways so that the
+//     four threads of a candidate walk four short lists), and a 64x64 IoU bitmask of the
+//     group is built (upper triangle, same label only);
+//  2. one warp resolves the group greedily. Only candidates whose row suppresses someone
+//     need a serial step; every other survivor is simply kept. The serial work is therefore
+//     the number of overlapping same-class pairs, not the number of detections.
+// No mask over all candidate pairs is ever built, and the outputs are written as detections
+// are kept.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -24,7 +29,16 @@ namespace gpu {
 constexpr int kNmsThreads = 256;
 constexpr int kNmsGroup = 64;  // one 64-bit mask word
 constexpr int kNmsParts = kNmsThreads / kNmsGroup;
-constexpr int kKeptCache = 1024;
+constexpr int kKeptCache = 1024;  // kept detections held in shared memory; the rest in global
+constexpr int kLabelBuckets = 128;
+
+// A kept detection, linked into the list of its label bucket and part.
+struct alignas(16) KeptNode {
+  float4 box;
+  int64_t label;
+  float area;
+  int next;  // position of the next node of the list, -1 at its end
+};
 
 template <typename T>
 struct NmsOutput {
@@ -39,11 +53,19 @@ template <typename T>
 struct NmsTensors {
   at::Tensor boxes, scores, labels, counts;
 
+  at::Tensor spill;  // kept detections past kKeptCache, [B, D - kKeptCache] KeptNodes
+
   NmsTensors(int64_t batch, int64_t max_detections, const at::TensorOptions& options)
       : boxes(at::empty({batch, max_detections, 4}, options)),
         scores(at::empty({batch, max_detections}, options)),
         labels(at::empty({batch, max_detections}, options.dtype(at::kLong))),
-        counts(at::empty({batch}, options.dtype(at::kLong))) {}
+        counts(at::empty({batch}, options.dtype(at::kLong))),
+        spill(at::empty({batch * std::max<int64_t>(max_detections - kKeptCache, 0) *
+                         static_cast<int64_t>(sizeof(KeptNode))},
+                        options.dtype(at::kByte))) {
+    TORCH_CHECK_VALUE(max_detections < (int64_t{1} << 31), "max_detections: the CUDA kernels "
+                      "keep fewer than 2^31 detections per image, got ", max_detections);
+  }
 
   NmsOutput<T> view() {
     return {boxes.mutable_data_ptr<T>(), scores.mutable_data_ptr<T>(),
@@ -67,19 +89,28 @@ __device__ __forceinline__ uint64_t assemble_row(const uint16_t (&parts)[kNmsPar
   return row;
 }
 
+// The list a kept detection of this label and part joins (kNmsParts lists per bucket).
+__device__ __forceinline__ int kept_list(int64_t label, int part) {
+  return static_cast<int>(static_cast<uint64_t>(label) % kLabelBuckets) * kNmsParts + part;
+}
+
+// The first n set bits of mask (n < popcount(mask)).
+__device__ __forceinline__ uint64_t first_bits(uint64_t mask, int64_t n) {
+  while (__popcll(mask) > n) mask &= ~(1ull << (63 - __clzll(static_cast<long long>(mask))));
+  return mask;
+}
+
 // Source::fetch(b, key, box, score, label) gives a candidate's box and score as values of T.
 template <typename T, typename Source>
 __global__ void __launch_bounds__(kNmsThreads)
     nms_kernel(Source src, const uint64_t* __restrict__ sorted, int64_t num_slots,
-               float iou_threshold, NmsOutput<T> out) {
-  __shared__ float4 kept_box[kKeptCache];
-  __shared__ float kept_area[kKeptCache];
-  __shared__ int64_t kept_label[kKeptCache];
+               float iou_threshold, NmsOutput<T> out, KeptNode* __restrict__ spill) {
+  __shared__ KeptNode kept_nodes[kKeptCache];
+  __shared__ int list_head[kLabelBuckets * kNmsParts];
   __shared__ float4 cand_box[kNmsThreads];
   __shared__ float cand_area[kNmsThreads];
   __shared__ float cand_score[kNmsThreads];
   __shared__ int64_t cand_label[kNmsThreads];
-  __shared__ uint32_t alive_bits[kNmsThreads / 32];
   __shared__ uint32_t dead_bits[kNmsParts][kNmsGroup / 32];
   __shared__ uint16_t row_bits[kNmsGroup][kNmsParts];
   __shared__ int64_t s_kept;
@@ -89,27 +120,11 @@ __global__ void __launch_bounds__(kNmsThreads)
   T* boxes = out.boxes + b * D * 4;
   T* scores = out.scores + b * D;
   int64_t* labels = out.labels + b * D;
-
-  // Does a detection kept at j in [from, to) (every step-th) suppress this box?
-  const auto suppressed = [&](float4 box, float area, int64_t label, int64_t from, int64_t to,
-                              int step) {
-    for (int64_t j = from; j < to; j += step) {
-      float4 kb;
-      float ka;
-      if (j < kKeptCache) {
-        if (kept_label[j] != label) continue;
-        kb = kept_box[j];
-        ka = kept_area[j];
-      } else {
-        if (labels[j] != label) continue;
-        const T* k = boxes + j * 4;
-        kb = make_float4(to_float(k[0]), to_float(k[1]), to_float(k[2]), to_float(k[3]));
-        ka = box_area(kb);
-      }
-      if (iou(kb, ka, box, area) > iou_threshold) return true;
-    }
-    return false;
+  KeptNode* spilled = spill + b * max(D - kKeptCache, int64_t{0});
+  const auto node = [&](int pos) -> KeptNode& {
+    return pos < kKeptCache ? kept_nodes[pos] : spilled[pos - kKeptCache];
   };
+  for (int i = tid; i < kLabelBuckets * kNmsParts; i += kNmsThreads) list_head[i] = -1;
 
   int64_t kept = 0;
   for (int64_t start = 0; start < num_slots && kept < D; start += kNmsThreads) {
@@ -117,46 +132,37 @@ __global__ void __launch_bounds__(kNmsThreads)
     const int64_t i = start + tid;
     const uint64_t candidate = i < num_slots ? sorted[b * num_slots + i] : 0;
     float4 box = make_float4(0.f, 0.f, 0.f, 0.f);
-    float score = 0.f, area = 0.f;
+    float score = 0.f;
     int64_t label = -1;
-    bool alive = candidate != 0;
-    if (alive) {
-      src.fetch(b, candidate, box, score, label);
-      area = box_area(box);
-      alive = !suppressed(box, area, label, 0, kept, 1);
-    }
+    if (candidate != 0) src.fetch(b, candidate, box, score, label);
     cand_box[tid] = box;
-    cand_area[tid] = area;
+    cand_area[tid] = box_area(box);
     cand_score[tid] = score;
     cand_label[tid] = label;
-    const uint32_t alive_ballot = __ballot_sync(0xFFFFFFFFu, alive);
-    if (lane == 0) alive_bits[warp] = alive_ballot;
     // Valid candidates (non-zero keys) come first.
     const int valid = __syncthreads_count(candidate != 0);
 
-    const int64_t round_kept = kept;
     for (int g = 0; g * kNmsGroup < valid && kept < D; ++g) {
-      const uint64_t alive_group =
-          alive_bits[2 * g] | (static_cast<uint64_t>(alive_bits[2 * g + 1]) << 32);
-      if (alive_group == 0) continue;
       const int c = tid % kNmsGroup, part = tid / kNmsGroup, me = g * kNmsGroup + c;
-      bool dead = !(alive_group >> c & 1u);
+      bool dead = me >= valid;
       uint32_t row = 0;
       if (!dead) {
         const float4 mb = cand_box[me];
         const float ma = cand_area[me];
         const int64_t ml = cand_label[me];
-        // Kept earlier in this round, by the groups before this one.
-        dead = suppressed(mb, ma, ml, round_kept + part, kept, kNmsParts);
-        if (!dead) {
+        // Suppressed by a detection kept before this group? Each part walks one list.
+        for (int pos = list_head[kept_list(ml, part)]; pos >= 0 && !dead;) {
+          const KeptNode& k = node(pos);
+          dead = k.label == ml && iou(k.box, k.area, mb, ma) > iou_threshold;
+          pos = k.next;
+        }
 #pragma unroll 4
-          for (int q = 0; q < kNmsGroup / kNmsParts; ++q) {
-            const int j = part * (kNmsGroup / kNmsParts) + q;
-            const int other = g * kNmsGroup + j;
-            if (j > c && cand_label[other] == ml &&
-                iou(mb, ma, cand_box[other], cand_area[other]) > iou_threshold) {
-              row |= 1u << q;
-            }
+        for (int q = 0; q < kNmsGroup / kNmsParts; ++q) {
+          const int j = part * (kNmsGroup / kNmsParts) + q;
+          const int other = g * kNmsGroup + j;
+          if (j > c && other < valid && cand_label[other] == ml &&
+              iou(mb, ma, cand_box[other], cand_area[other]) > iou_threshold) {
+            row |= 1u << q;
           }
         }
       }
@@ -173,34 +179,40 @@ __global__ void __launch_bounds__(kNmsThreads)
         }
         const uint64_t row_lo = assemble_row(row_bits[lane]);
         const uint64_t row_hi = assemble_row(row_bits[lane + 32]);
-        // The serial part: uniform across the warp, one step per kept candidate.
-        uint64_t remaining = ~removed, keep = 0;
-        int64_t room = D - kept;
-        while (remaining != 0 && room > 0) {
-          const int first = __ffsll(static_cast<long long>(remaining)) - 1;
-          const uint64_t r = __shfl_sync(0xFFFFFFFFu, first < 32 ? row_lo : row_hi, first % 32);
-          keep |= 1ull << first;
-          remaining &= ~(r | (1ull << first));
-          --room;
+        const uint64_t suppressing = __ballot_sync(0xFFFFFFFFu, row_lo != 0) |
+                                     static_cast<uint64_t>(__ballot_sync(0xFFFFFFFFu, row_hi != 0))
+                                         << 32;
+        // The serial part, uniform across the warp: one step per surviving candidate that
+        // suppresses another of the group, in order.
+        uint64_t remaining = ~removed;
+        uint64_t next = suppressing & remaining;
+        while (next != 0) {
+          const int first = __ffsll(static_cast<long long>(next)) - 1;
+          remaining &= ~__shfl_sync(0xFFFFFFFFu, first < 32 ? row_lo : row_hi, first % 32);
+          next = first == 63 ? 0 : suppressing & remaining & (~0ull << (first + 1));
         }
+        // Greedy NMS stops at D detections: the first `room` survivors.
+        const int64_t room = D - kept;
+        const uint64_t keep = __popcll(remaining) > room ? first_bits(remaining, room) : remaining;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int c2 = lane + 32 * h;
           if (!(keep >> c2 & 1u)) continue;
-          const int64_t pos = kept + __popcll(keep & ((1ull << c2) - 1));
-          const int src_slot = g * kNmsGroup + c2;
-          const float4 kb = cand_box[src_slot];
-          boxes[pos * 4 + 0] = from_float<T>(kb.x);
-          boxes[pos * 4 + 1] = from_float<T>(kb.y);
-          boxes[pos * 4 + 2] = from_float<T>(kb.z);
-          boxes[pos * 4 + 3] = from_float<T>(kb.w);
-          scores[pos] = from_float<T>(cand_score[src_slot]);
-          labels[pos] = cand_label[src_slot];
-          if (pos < kKeptCache) {
-            kept_box[pos] = kb;
-            kept_area[pos] = cand_area[src_slot];
-            kept_label[pos] = cand_label[src_slot];
-          }
+          const int pos = static_cast<int>(kept + __popcll(keep & ((1ull << c2) - 1)));
+          const int slot = g * kNmsGroup + c2;
+          const float4 kb = cand_box[slot];
+          const int64_t kl = cand_label[slot];
+          boxes[pos * int64_t{4} + 0] = from_float<T>(kb.x);
+          boxes[pos * int64_t{4} + 1] = from_float<T>(kb.y);
+          boxes[pos * int64_t{4} + 2] = from_float<T>(kb.z);
+          boxes[pos * int64_t{4} + 3] = from_float<T>(kb.w);
+          scores[pos] = from_float<T>(cand_score[slot]);
+          labels[pos] = kl;
+          KeptNode& k = node(pos);
+          k.box = kb;
+          k.label = kl;
+          k.area = cand_area[slot];
+          k.next = atomicExch(&list_head[kept_list(kl, pos % kNmsParts)], pos);
         }
         if (lane == 0) s_kept = kept + __popcll(keep);
       }
@@ -227,7 +239,8 @@ void launch_nms(const Source& src, const at::Tensor& sorted, int64_t num_slots,
   if (batch == 0) return;
   nms_kernel<T, Source><<<batch, kNmsThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       src, reinterpret_cast<const uint64_t*>(sorted.const_data_ptr<int64_t>()), num_slots,
-      float_threshold(iou_threshold), result.view());
+      float_threshold(iou_threshold), result.view(),
+      reinterpret_cast<KeptNode*>(result.spill.data_ptr()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

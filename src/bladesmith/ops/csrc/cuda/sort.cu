@@ -1,6 +1,9 @@
-// Segmented descending sort of candidate keys. Segments of up to 8192 keys (every segment the
-// default RetinaNet settings make) sort in one block, in shared memory, in one launch;
-// larger ones go through CUB's segmented radix sort. Neither synchronises with the host.
+// Segmented descending sort of candidate keys. Segments of up to 1024 keys sort in one block,
+// in shared memory, in one launch. Segments of up to 8192 keys (an image's candidates under
+// the default RetinaNet settings) sort as tiles of 1024 keys, one block each, which a second
+// kernel merges: every key finds its rank by binary search in the other tiles, so that
+// nothing runs in one block alone. Larger segments go through CUB's segmented radix sort.
+// None of them synchronises with the host.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -18,41 +21,109 @@ struct Greater {
   __device__ __forceinline__ bool operator()(uint64_t a, uint64_t b) const { return a > b; }
 };
 
-template <int THREADS, int ITEMS>
-using BlockSort = cub::BlockMergeSort<uint64_t, THREADS, ITEMS>;
+constexpr int kTileThreads = 256, kTileItems = 4, kTile = kTileThreads * kTileItems;
+constexpr int kMergeThreads = 1024, kMaxMerged = 8192;
 
-template <int THREADS, int ITEMS>
-__global__ void __launch_bounds__(THREADS) block_sort_kernel(Segments s, uint64_t* keys) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  auto& storage = *reinterpret_cast<typename BlockSort<THREADS, ITEMS>::TempStorage*>(smem);
-  const int64_t group = blockIdx.x / s.parts;
-  const int part = blockIdx.x % s.parts;
-  uint64_t* segment = keys + group * s.group_stride + s.begin[part];
-  const int n = static_cast<int>(s.size[part]);
-  uint64_t items[ITEMS];
+using TileSort = cub::BlockMergeSort<uint64_t, kTileThreads, kTileItems>;
+
+// Block (segment, tile) sorts the tile's keys in place; tiles past a segment's end exit.
+__global__ void __launch_bounds__(kTileThreads)
+    tile_sort_kernel(Segments s, int tiles_per_part, uint64_t* keys) {
+  __shared__ TileSort::TempStorage storage;
+  const int64_t group = blockIdx.x / (s.parts * tiles_per_part);
+  const int part = blockIdx.x / tiles_per_part % s.parts;
+  const int tile = blockIdx.x % tiles_per_part;
+  const int n = static_cast<int>(min(s.size[part] - int64_t{tile} * kTile, int64_t{kTile}));
+  if (n <= 0) return;
+  uint64_t* segment = keys + group * s.group_stride + s.begin[part] + int64_t{tile} * kTile;
+  uint64_t items[kTileItems];
 #pragma unroll
-  for (int j = 0; j < ITEMS; ++j) {
-    const int i = j * THREADS + threadIdx.x;  // any arrangement will do as input
-    items[j] = i < n ? segment[i] : 0;       // padding sorts last
+  for (int j = 0; j < kTileItems; ++j) {
+    const int i = j * kTileThreads + threadIdx.x;  // any arrangement will do as input
+    items[j] = i < n ? segment[i] : 0;             // padding sorts last
   }
-  BlockSort<THREADS, ITEMS>(storage).Sort(items, Greater());
+  TileSort(storage).Sort(items, Greater());
 #pragma unroll
-  for (int j = 0; j < ITEMS; ++j) {
-    const int i = threadIdx.x * ITEMS + j;  // sorted blocked across threads
+  for (int j = 0; j < kTileItems; ++j) {
+    const int i = threadIdx.x * kTileItems + j;  // sorted blocked across threads
     if (i < n) segment[i] = items[j];
   }
 }
 
-template <int THREADS, int ITEMS>
-void block_sort(const Segments& s, uint64_t* keys) {
-  auto kernel = block_sort_kernel<THREADS, ITEMS>;
-  constexpr int smem = sizeof(typename BlockSort<THREADS, ITEMS>::TempStorage);
-  if (smem > 48 * 1024) {
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  }
-  kernel<<<s.groups * s.parts, THREADS, smem, c10::cuda::getCurrentCUDAStream()>>>(s, keys);
+// Sorts every segment in tiles of kTile keys, each in place.
+void sort_tiles(const Segments& s, int tiles_per_part, uint64_t* keys) {
+  tile_sort_kernel<<<s.groups * s.parts * tiles_per_part, kTileThreads, 0,
+                     c10::cuda::getCurrentCUDAStream()>>>(s, tiles_per_part, keys);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// How many of the n keys of a descending run are greater than key.
+__device__ __forceinline__ int count_greater(const uint64_t* run, int n, uint64_t key) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (run[mid] > key) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// Block (segment, share) loads the segment's sorted tiles into shared memory; each of its
+// threads places one key at its rank: its position in its tile plus the keys of the other
+// tiles greater than it (non-zero keys are distinct). Empty keys (zero) fill the end.
+__global__ void __launch_bounds__(kMergeThreads)
+    merge_tiles_kernel(Segments s, int shares_per_part, const uint64_t* in, uint64_t* out) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto* tiles = reinterpret_cast<uint64_t*>(smem);
+  __shared__ int s_nonzero;
+  const int64_t group = blockIdx.x / (s.parts * shares_per_part);
+  const int part = blockIdx.x / shares_per_part % s.parts;
+  const int share = blockIdx.x % shares_per_part;
+  const int n = static_cast<int>(s.size[part]);
+  const int64_t begin = group * s.group_stride + s.begin[part];
+  if (share * kMergeThreads >= n) return;
+  for (int i = threadIdx.x; i < n; i += kMergeThreads) tiles[i] = in[begin + i];
+  if (threadIdx.x == 0) s_nonzero = 0;
+  __syncthreads();
+  const int num_tiles = (n + kTile - 1) / kTile;
+  if (threadIdx.x < num_tiles) {
+    const int t = threadIdx.x;
+    atomicAdd(&s_nonzero, count_greater(tiles + t * kTile, min(kTile, n - t * kTile), 0));
+  }
+  __syncthreads();
+  const int p = share * kMergeThreads + threadIdx.x;
+  if (p >= n) return;
+  const uint64_t key = tiles[p];
+  if (key != 0) {
+    const int mine = p / kTile;
+    int rank = p - mine * kTile;
+    for (int t = 0; t < num_tiles; ++t) {
+      if (t != mine) rank += count_greater(tiles + t * kTile, min(kTile, n - t * kTile), key);
+    }
+    out[begin + rank] = key;
+  }
+  if (p >= s_nonzero) out[begin + p] = 0;
+}
+
+at::Tensor merge_sort(const at::Tensor& keys, const Segments& s, int64_t largest) {
+  auto* data = reinterpret_cast<uint64_t*>(keys.data_ptr<int64_t>());
+  const int tiles = static_cast<int>(ceil_div(largest, kTile));
+  sort_tiles(s, tiles, data);
+  auto merged = at::empty_like(keys);
+  const int shares = static_cast<int>(ceil_div(largest, kMergeThreads));
+  const int smem = static_cast<int>(largest * sizeof(uint64_t));
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(merge_tiles_kernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+  merge_tiles_kernel<<<s.groups * s.parts * shares, kMergeThreads, smem,
+                       c10::cuda::getCurrentCUDAStream()>>>(
+      s, shares, data, reinterpret_cast<uint64_t*>(merged.data_ptr<int64_t>()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return merged;
 }
 
 __global__ void segment_offsets_kernel(Segments s, int* begins, int* ends) {
@@ -113,15 +184,12 @@ Segments per_level(int64_t groups, const std::vector<int64_t>& slot_offsets) {
 at::Tensor sort_descending(const at::Tensor& keys, const Segments& segments) {
   if (segments.groups == 0 || segments.parts == 0) return keys;
   const int64_t largest = *std::max_element(segments.size, segments.size + segments.parts);
-  auto* data = reinterpret_cast<uint64_t*>(keys.data_ptr<int64_t>());
-  if (largest <= 1024) {
-    block_sort<256, 4>(segments, data);
-  } else if (largest <= 8192) {
-    block_sort<1024, 8>(segments, data);
-  } else {
-    return radix_sort(keys, segments);
+  if (largest <= kTile) {
+    sort_tiles(segments, 1, reinterpret_cast<uint64_t*>(keys.data_ptr<int64_t>()));
+    return keys;
   }
-  return keys;
+  if (largest <= kMaxMerged) return merge_sort(keys, segments, largest);
+  return radix_sort(keys, segments);
 }
 
 }  // namespace gpu
