@@ -424,3 +424,23 @@ def test_near_ties_are_judged_by_what_rounding_really_moved():
     candidate = [_image([[10.0, 0.0, 110.0, 100.0], low], [0.7995, 0.1])]
     result = compare_detections(reference, candidate, score_atol=1e-2)
     assert not result.passed and result.excused == 0
+
+
+@pytest.mark.parametrize(
+    ("neighbour", "excused"),
+    [
+        ([-30.0, 0.0, 70.0, 100.0], True),  # IoU 0.54 with the reference's choice
+        ([500.0, 0.0, 600.0, 100.0], False),  # overlaps neither twin: a real extra
+    ],
+)
+def test_what_a_near_tie_suppresses_is_excused_with_it(neighbour, excused):
+    # The reference kept A, which suppressed the neighbour; the candidate kept A's twin
+    # B (a near tie), which overlaps the neighbour too little to suppress it.
+    a, b = [0.0, 0.0, 100.0, 100.0], [30.0, 0.0, 130.0, 100.0]  # IoU 0.54
+    low = [300.0, 300.0, 400.0, 400.0]
+    reference = [_image([a, low], [0.8, 0.1])]
+    candidate = [_image([b, neighbour, low], [0.8002, 0.5, 0.1003])]  # rounding: 3e-4
+    result = compare_detections(reference, candidate, score_atol=1e-3)
+    assert result.passed is excused, result.summary()
+    assert result.excused == (3 if excused else 2)
+    assert result.strict_f1 == pytest.approx(0.4)  # 1 matched of 2 and of 3

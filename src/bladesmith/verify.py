@@ -232,17 +232,10 @@ class DetectionComparison:
     max_box_deviation: float | None = None  # largest coordinate difference, in pixels
     max_score_deviation: float | None = None
     mean_iou: float | None = None
-    excused: int = 0  # unmatched pairs on a near tie, at the score cut or in NMS
+    excused: int = 0  # unmatched detections on a near tie (or its NMS consequences)
+    strict_f1: float = 1.0  # F1 with nothing excused
     tolerance_ratio: float = 0.0  # worst of the F1 shortfall and score deviation, as above
     reasons: list[str] = field(default_factory=list)
-
-    @property
-    def strict_f1(self) -> float:
-        """F1 with nothing excused: every near-tie pair counted as one miss each way."""
-        swapped = self.excused // 2
-        p = _ratio(self.matched, self.candidate_count + swapped)
-        r = _ratio(self.matched, self.reference_count + swapped)
-        return 2 * p * r / (p + r) if p + r > 0 else 0.0
 
     def summary(self) -> str:
         text = (
@@ -330,9 +323,12 @@ def compare_detections(
     are excused (counted in ``excused``), not counted against precision or recall.
     Likewise greedy NMS keeps one of two overlapping boxes of a class by score: when
     they overlap by at least ``tie_iou`` (torchvision detectors' NMS threshold) and
-    score that close, either choice is right, and such an unmatched pair is excused too.
-    "Close" is within twice the largest score change among the image's matched pairs
-    (what rounding really moved), and never more than ``score_atol``.
+    score that close, either choice is right, and such an unmatched pair is excused too,
+    with what follows from it: the box kept instead suppresses other neighbours, so an
+    unmatched detection overlapping an excused one of the other list by ``tie_iou``
+    (same class) is excused as well. "Close" is within twice the largest score change
+    among the image's matched pairs (what rounding really moved), and never more than
+    ``score_atol``. ``strict_f1`` excuses nothing.
     """
     _check_detections("reference", reference)
     if score_atol is None:
@@ -344,7 +340,7 @@ def compare_detections(
         _check_detections("candidate", candidate)
     except ValueError as error:
         result.reasons.append(str(error))
-        result.precision = result.recall = result.f1 = 0.0
+        result.precision = result.recall = result.f1 = result.strict_f1 = 0.0
         result.tolerance_ratio = math.inf
         return result
     if len(reference) != len(candidate):
@@ -352,13 +348,15 @@ def compare_detections(
             f"{len(candidate)} images of detections, the reference has {len(reference)}"
         )
     box_devs, score_devs, ious = [], [], []
-    nonfinite = 0
+    nonfinite = raw_references = raw_candidates = 0
     for ref, cand in zip(reference, candidate, strict=False):  # lengths checked above
         ref_boxes, ref_scores, ref_labels = _as_arrays(ref)
         cand_boxes, cand_scores, cand_labels = _as_arrays(cand)
         result.images += 1
         result.reference_count += len(ref_scores)
         result.candidate_count += len(cand_scores)
+        raw_references += len(ref_scores)
+        raw_candidates += len(cand_scores)
         usable = np.isfinite(cand_boxes).all(axis=1) & np.isfinite(cand_scores)
         nonfinite += int((~usable).sum())
         iou = _box_iou(ref_boxes, cand_boxes)
@@ -383,7 +381,7 @@ def compare_detections(
         # image's matched pairs: what the candidate's rounding actually moved, capped by
         # score_atol (the dtype's tolerance is far wider than what bf16 moves scores).
         tie_band = min(score_atol, 2 * max(score_devs[image_start:], default=0.0))
-        swapped = _tie_swaps(
+        ties = _tie_swaps(
             iou,
             ref_labels,
             cand_labels,
@@ -394,23 +392,29 @@ def compare_detections(
             tie_iou,
             tie_band,
         )
+        ref_excused, cand_excused = _tie_consequences(
+            iou, ref_labels, cand_labels, ref_matched, cand_matched, ties, tie_iou
+        )
         # Swaps across the cut come in pairs: one left each list near the cut. A lone
         # one (a duplicate, a detection lost at the threshold) is not excused.
-        swapped += min(
+        swapped = len(ties) + min(
             _near_cut(ref_scores, ~ref_matched, cand_scores, tie_band),
             _near_cut(cand_scores, ~cand_matched, ref_scores, tie_band),
         )
-        result.excused += 2 * swapped
-        result.reference_count -= swapped
-        result.candidate_count -= swapped
+        result.excused += 2 * swapped + ref_excused + cand_excused
+        result.reference_count -= swapped + ref_excused
+        result.candidate_count -= swapped + cand_excused
     if nonfinite:
         result.reasons.append(f"{nonfinite} candidate detections have NaN/inf boxes or scores")
 
     # No detections on either side is a perfect match; on one side only, none at all.
+    result.strict_f1 = _f1(
+        _ratio(result.matched, raw_candidates), _ratio(result.matched, raw_references)
+    )
     result.precision = _ratio(result.matched, result.candidate_count)
     result.recall = _ratio(result.matched, result.reference_count)
     p, r = result.precision, result.recall
-    result.f1 = 2 * p * r / (p + r) if p + r > 0 else 0.0
+    result.f1 = _f1(p, r)
     if box_devs:
         result.max_box_deviation = float(max(box_devs))
         result.max_score_deviation = float(max(score_devs))
@@ -446,11 +450,11 @@ def _tie_swaps(
     cand_matched,
     tie_iou: float,
     score_atol: float,
-) -> int:
+) -> list[tuple[int, int]]:
     """Pair unmatched detections that greedy NMS chose between on a near tie: same
     label, overlapping by at least ``tie_iou``, scores within ``score_atol``. Marks the
-    pairs matched (in place) and returns how many there are."""
-    pairs = 0
+    pairs matched (in place) and returns them, (reference, candidate) indices."""
+    pairs = []
     for i in np.argsort(-ref_scores, kind="stable"):
         if ref_matched[i]:
             continue
@@ -463,8 +467,32 @@ def _tie_swaps(
         if candidates.any():
             j = int(np.where(candidates, iou[i], -1.0).argmax())
             ref_matched[i] = cand_matched[j] = True
-            pairs += 1
+            pairs.append((i, j))
     return pairs
+
+
+def _tie_consequences(
+    iou, ref_labels, cand_labels, ref_matched, cand_matched, ties, tie_iou: float
+) -> tuple[int, int]:
+    """Unmatched detections that a near tie's other choice explains: the box one list
+    kept instead of its twin suppresses different neighbours, so an unmatched
+    detection overlapping an excused one of the other list by at least ``tie_iou``,
+    same label, went the other way because of the tie. Marks them matched (in place)
+    and returns how many there are in the reference and in the candidate."""
+    if not ties:
+        return 0, 0
+    ref_ties, cand_ties = (np.array(side) for side in zip(*ties, strict=True))
+    near_ref_tie = (iou[ref_ties] >= tie_iou) & (ref_labels[ref_ties, None] == cand_labels)
+    near_cand_tie = (iou[:, cand_ties] >= tie_iou) & (ref_labels[:, None] == cand_labels[cand_ties])
+    cand_excused = ~cand_matched & near_ref_tie.any(axis=0)
+    ref_excused = ~ref_matched & near_cand_tie.any(axis=1)
+    cand_matched |= cand_excused
+    ref_matched |= ref_excused
+    return int(ref_excused.sum()), int(cand_excused.sum())
+
+
+def _f1(precision: float, recall: float) -> float:
+    return 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
 
 
 def _near_cut(scores, unmatched, other_scores, score_atol: float) -> int:

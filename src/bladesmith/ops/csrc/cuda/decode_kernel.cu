@@ -49,8 +49,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> retinanet_decode_cuda(
   auto labels = at::empty({B, K}, cls_logits.options().dtype(at::kLong));
   if (B * K == 0) return {boxes, scores, labels};
 
-  const auto keys = sort_descending(select_candidates(cls_logits, shape, score_threshold),
-                                    per_level(B, shape.slot_offsets));
+  const auto selected = select_candidates(cls_logits, shape, score_threshold);
+  const auto keys = sort_descending(selected, per_level(B, shape.slot_offsets));
   const auto deltas_c = bbox_deltas.contiguous();
   const auto anchors_c = anchors.contiguous();
   const auto sizes_c = image_sizes.contiguous();
