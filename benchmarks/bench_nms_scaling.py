@@ -7,30 +7,12 @@ part of the operator costs what. Also prints the SM clock the GPU runs at.
 
 from __future__ import annotations
 
-import re
-
 import torch
-from torch.profiler import ProfilerActivity, profile
 from torchvision.models.detection import retinanet_resnet50_fpn
 
 from bench_postprocess import DETECTIONS, IOU, THRESHOLD, TOPK, realistic_inputs
 from bladesmith.ops import batched_nms, load_library, retinanet_decode
-from gpu_clock import effective_mhz
-
-
-def kernel_times(call, runs: int = 30) -> dict[str, float]:
-    call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            call()
-        torch.cuda.synchronize()
-    times: dict[str, float] = {}
-    for event in prof.key_averages():
-        if event.device_time_total > 0:
-            name = re.search(r"(\w+)\s*[<(]", event.key.removeprefix("void ")).group(1)
-            times[name] = times.get(name, 0.0) + event.device_time_total / runs
-    return times
+from gpu_probe import effective_mhz, kernel_times
 
 
 def clustered(count: int, per_cluster: int, device) -> tuple:
@@ -100,7 +82,7 @@ def main() -> None:
         for name, b, s, lab, d in cases:
             times = kernel_times(lambda: batched_nms(b, s, lab, IOU, d))  # noqa: B023
             kept = int(batched_nms(b, s, lab, IOU, d)[3][0])
-            text = ", ".join(f"{k} {v:.1f}" for k, v in sorted(times.items(), key=lambda x: -x[1]))
+            text = ", ".join(f"{k} {v:.1f}" for k, v in times.items())
             print(f"{name} (kept {kept}): {text} us")
     print(f"SM clock after: {effective_mhz():.0f} MHz")
 

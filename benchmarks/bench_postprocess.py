@@ -147,20 +147,12 @@ def agreement(reference: list[dict], ours: list[dict]) -> str:
     return f"F1 {result.f1:.4f}" + ("" if result.passed else " FAIL")
 
 
-def print_kernel_times(name: str, call, runs: int = 50) -> None:
-    """Device time per CUDA kernel of ``call``, averaged over ``runs`` calls."""
-    from torch.profiler import ProfilerActivity, profile
+def print_kernel_times(name: str, call) -> None:
+    from gpu_probe import kernel_times
 
-    call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            call()
-        torch.cuda.synchronize()
     print(f"kernels of {name}, per call (us):")
-    for event in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
-        if event.device_time_total > 0:
-            print(f"  {event.device_time_total / runs:9.1f}  {event.key[:100]}")
+    for kernel, us in kernel_times(call).items():
+        print(f"  {us:9.1f}  {kernel}")
 
 
 def rotate(calls):
