@@ -66,14 +66,15 @@ def photos(detector):
 @pytest.fixture(scope="module")
 def optimized_detector(retinanet, photos):
     """The detector optimized on the CPU with every accurate pass kept (the built-in
-    passes, then one that makes the result fast whatever the machine's load)."""
+    passes, then one that makes the result fast whatever the machine's load). winograd
+    is left out: whether it switches a convolution depends on timing (its own tests)."""
     state = {k: v.clone() for k, v in retinanet.state_dict().items()}
     passes = [*registry.create_all(), Memoized()]
     result = bladesmith.optimize(
         retinanet,
         device="cpu",
         test_data=[(photos,)],
-        config=Config(warmup=0, iters=1, exclude=["onnxruntime"], min_speedup=0.01),
+        config=Config(warmup=0, iters=1, exclude=["onnxruntime", "winograd"], min_speedup=0.01),
         passes=passes,
     )
     return (*result, state)
@@ -84,6 +85,7 @@ def test_registry_lists_builtin_passes_in_order_and_refuses_duplicates():
         "retinanet_adapter",
         "fp16",
         "bf16",
+        "winograd",
         "channels_last",
         "inductor",
         "cuda_graph",
