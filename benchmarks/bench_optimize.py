@@ -119,6 +119,7 @@ class Timer:
             comparison = compare_detections(reference, outputs)
             row["f1"] = comparison.f1
             row["strict_f1"] = comparison.strict_f1
+            row["max_score_deviation"] = comparison.max_score_deviation
             row["accuracy"] = comparison.summary()
         print(f"{name}, batch {self.batch}: {timing.p50_ms:.3f} ms (p50)", flush=True)
         return row

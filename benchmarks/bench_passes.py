@@ -23,14 +23,13 @@ from pathlib import Path
 import torch
 
 import bladesmith
+from bench_optimize import Timer
 from bladesmith.artifact import OptimizedModule
-from bladesmith.bench import measure
 from bladesmith.config import Config
 from bladesmith.models.images import sample_images
 from bladesmith.models.retinanet import build_retinanet
 from bladesmith.passes import Candidate, Context
 from bladesmith.passes.registry import create_all
-from bladesmith.verify import compare_detections
 
 GPU_COMBOS = (
     "adapter,cuda_graph",
@@ -57,7 +56,9 @@ def main() -> None:
         images = list(sample_images(batch, args.input_size, device=device))
         with torch.no_grad():
             reference = model(images)
-        rows.append(timed("eager fp32", model, images, reference, args, batch, device))
+        warmup, iters = (args.warmup, args.iters) if batch == 1 else (3, args.iters // 4 or 1)
+        timed = Timer(warmup, iters, device, batch)
+        rows.append(timed("eager fp32", model, images, reference))
         for combo in args.combos:
             names = [ALIASES.get(n, n) for n in combo.split(",")]
             context = Context(
@@ -74,7 +75,8 @@ def main() -> None:
                     candidate = passes[name].apply(candidate, context)
                     context.kept.append(name)
                 module = OptimizedModule.from_candidate(candidate)
-                row = timed(combo, module, images, reference, args, batch, device)
+                row = timed(combo, module, images, reference)
+                print(f"  {row['accuracy']}", flush=True)
             except Exception as error:  # one failing combo must not hide the others
                 row = {"name": combo, "batch": batch, "error": f"{type(error).__name__}: {error}"}
                 print(f"{combo}, batch {batch}: FAILED {row['error'][:300]}", flush=True)
@@ -82,35 +84,15 @@ def main() -> None:
             rows.append(row)
             del context, candidate
             gc.collect()
-            torch.cuda.empty_cache() if device.type == "cuda" else None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2, default=str) + "\n")
 
 
-def timed(name, fn, images, reference, args, batch, device) -> dict:
-    warmup, iters = (args.warmup, args.iters) if batch == 1 else (3, args.iters // 4 or 1)
-    with torch.no_grad():
-        outputs = fn(images)
-        timing = measure(fn, (images,), warmup=warmup, iters=iters, device=device, batch_size=batch)
-    accuracy = compare_detections(reference, outputs)
-    row = {
-        "name": name,
-        "batch": batch,
-        "p50_ms": timing.p50_ms,
-        "mean_ms": timing.mean_ms,
-        "images_per_s": timing.throughput,
-        "f1": accuracy.f1,
-        "strict_f1": accuracy.strict_f1,
-        "max_score_deviation": accuracy.max_score_deviation,
-        "passed": accuracy.passed,
-    }
-    print(f"{name}, batch {batch}: {timing.p50_ms:.3f} ms, {accuracy.summary()}", flush=True)
-    return row
-
-
 def print_table(rows: list[dict]) -> None:
-    eager = {r["batch"]: r["p50_ms"] for r in rows if r["name"] == "eager fp32"}
+    eager = {r["batch"]: r["timing"]["p50_ms"] for r in rows if r["name"] == "eager fp32"}
     header = f"{'combo':<52} {'batch':>5} {'p50 ms':>9} {'img/s':>7} {'vs eager':>8} "
     header += f"{'F1':>7} {'strict':>7} {'max score dev':>13} {'build s':>8}"
     print(header)
@@ -118,10 +100,10 @@ def print_table(rows: list[dict]) -> None:
         if "error" in r:
             print(f"{r['name']:<52} {r['batch']:>5} FAILED: {r['error'][:80]}")
             continue
-        dev = r["max_score_deviation"]
+        dev, p50 = r["max_score_deviation"], r["timing"]["p50_ms"]
         print(
-            f"{r['name']:<52} {r['batch']:>5} {r['p50_ms']:>9.3f} {r['images_per_s']:>7.0f} "
-            f"{eager[r['batch']] / r['p50_ms']:>7.2f}x {r['f1']:>7.4f} {r['strict_f1']:>7.4f} "
+            f"{r['name']:<52} {r['batch']:>5} {p50:>9.3f} {r['timing']['throughput']:>7.0f} "
+            f"{eager[r['batch']] / p50:>7.2f}x {r['f1']:>7.4f} {r['strict_f1']:>7.4f} "
             f"{'-' if dev is None else format(dev, '.2e'):>13} "
             f"{r.get('build_s', 0):>8.1f}"
         )
