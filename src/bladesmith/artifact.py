@@ -111,9 +111,9 @@ class OptimizedModule(nn.Module):
             return self._as_list(*args, **kwargs)
 
     def _run_padded(self, images):
-        if not (isinstance(images, torch.Tensor) and images.dim() == 4):
-            images = torch.stack(list(images))
-        return self._run(images)
+        from bladesmith.models.images import as_batch
+
+        return self._run(as_batch(images))
 
     def _to_device(self, value):
         if isinstance(value, torch.Tensor) and value.device != self.device:

@@ -1,4 +1,5 @@
-"""Real photographs for demos, calibration and benchmarks.
+"""Images: real photographs for demos, calibration and benchmarks, and image lists as
+batches.
 
 Data sets cannot be downloaded here, so the photographs come from the ones that
 scikit-image ships inside its package (no network access needed).
@@ -48,3 +49,12 @@ def sample_images(
     if not images:
         return torch.empty(0, 3, height, width, device=device, dtype=dtype)
     return torch.stack(images).to(device=device, dtype=dtype)
+
+
+def as_batch(images) -> torch.Tensor:
+    """A batch [B, 3, H, W] as is, or a list of images [3, H, W] stacked into one. One
+    image becomes a view, not a copy: a detector called per image pays no extra kernel."""
+    if isinstance(images, torch.Tensor) and images.dim() == 4:
+        return images
+    images = list(images)
+    return images[0].unsqueeze(0) if len(images) == 1 else torch.stack(images)

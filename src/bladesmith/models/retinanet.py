@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bladesmith.models.images import sample_images
+from bladesmith.models.images import as_batch, sample_images
 from bladesmith.ops import load_library
 
 BACKBONES = ("resnet50", "resnet18")
@@ -246,17 +246,14 @@ class DetectionsAsList(nn.Module):
         self.padded = padded
 
     def forward(self, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        if isinstance(images, torch.Tensor) and images.dim() == 4:
-            batch = images
-        else:
+        if not (isinstance(images, torch.Tensor) and images.dim() == 4):
             shapes = {tuple(image.shape) for image in images}
             if len(shapes) > 1:
                 raise ValueError(
                     "images: expected images of one size (the size the model was optimized "
                     f"for), got sizes {sorted(shapes)}"
                 )
-            batch = torch.stack(list(images))
-        boxes, scores, labels, num_detections = self.padded(batch)
+        boxes, scores, labels, num_detections = self.padded(as_batch(images))
         return [
             {
                 "boxes": boxes[i, :n].float(),

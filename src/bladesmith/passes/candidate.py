@@ -48,10 +48,9 @@ class Candidate:
         """The runner's inputs for the user's call ``model(*user_args)``."""
         if not self.padded_detections:
             return tuple(user_args)
-        images = user_args[0]
-        if isinstance(images, torch.Tensor) and images.dim() == 4:
-            return (images,)
-        return (torch.stack(list(images)),)
+        from bladesmith.models.images import as_batch
+
+        return (as_batch(user_args[0]),)
 
     def with_module(self, module: nn.Module, name: str, **changes) -> Candidate:
         """A candidate whose module is ``module``, shaped by pass ``name``; no runner."""
