@@ -83,6 +83,7 @@ def optimized_detector(retinanet, photos):
 def test_registry_lists_builtin_passes_in_order_and_refuses_duplicates():
     assert registry.names() == [
         "retinanet_adapter",
+        "head_packing",
         "fp16",
         "bf16",
         "winograd",

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bladesmith.models.images import as_batch, sample_images
+from bladesmith.models.packed_head import PackedRetinaNetHead
 from bladesmith.ops import load_library
 
 BACKBONES = ("resnet50", "resnet18")
@@ -157,8 +158,9 @@ class RetinaNetPipeline(nn.Module):
         self.register_buffer(
             "resized_hw", torch.tensor([self.resized_size], dtype=torch.int64), persistent=False
         )
-        anchors, level_sizes = _static_anchors(model, self.padded_size, self.resized_size)
-        self.level_sizes = level_sizes
+        anchors, self.grid_sizes, self.level_sizes = _static_anchors(
+            model, self.padded_size, self.resized_size
+        )
         self.register_buffer("anchors", anchors, persistent=False)
 
     def _apply(self, fn, recurse=True):
@@ -191,9 +193,17 @@ class RetinaNetPipeline(nn.Module):
             x = F.pad(x, (0, pad_w, 0, pad_h))
         return x
 
+    def pack_head(self) -> None:
+        """Run the head once over all levels packed into one canvas rather than once
+        per level: ``head`` becomes a ``PackedRetinaNetHead`` over the same layers.
+        ValueError for heads that cannot be packed."""
+        self.head = PackedRetinaNetHead(self.head, self.grid_sizes).to(self.anchors.device)
+
     def head_outputs(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Classification logits [B, N, C] and box deltas [B, N, 4] for all levels."""
         features = list(self.backbone(self.preprocess(images)).values())
+        if isinstance(self.head, PackedRetinaNetHead):
+            return self.head(features)
         cls_logits = self.head.classification_head(features)
         bbox_deltas = self.head.regression_head(features)
         return cls_logits, bbox_deltas
@@ -290,8 +300,9 @@ def _check_image_size(image_size) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def _static_anchors(model: nn.Module, padded_size, resized_size) -> tuple[torch.Tensor, list[int]]:
-    """Anchors [N, 4] and anchors per level for one padded input size.
+def _static_anchors(model: nn.Module, padded_size, resized_size):
+    """Anchors [N, 4], the feature-map size (height, width) of each level and the
+    anchors per level, for one padded input size.
 
     The feature-map sizes come from running the backbone on fake tensors (no compute,
     any backbone); anchors from the model's own anchor generator.
@@ -308,4 +319,4 @@ def _static_anchors(model: nn.Module, padded_size, resized_size) -> tuple[torch.
     anchors = model.anchor_generator(images, feature_maps)[0]
     per_location = model.anchor_generator.num_anchors_per_location()
     level_sizes = [h * w * a for (h, w), a in zip(grid_sizes, per_location)]
-    return anchors.to(parameter.device), level_sizes
+    return anchors.to(parameter.device), grid_sizes, level_sizes

@@ -1,13 +1,14 @@
 """bladesmith's passes, one module each; importing this package registers them.
 
 The import order below is the order passes run in: adapt the model first (fixed
-shapes), then change its arithmetic (precision, convolution algorithm, memory format),
-then build what runs it (Inductor and a CUDA graph on the GPU; TorchScript or ONNX
-Runtime on the CPU).
+shapes, the head over all levels at once), then change its arithmetic (precision,
+convolution algorithm, memory format), then build what runs it (Inductor and a CUDA
+graph on the GPU; TorchScript or ONNX Runtime on the CPU).
 """
 
 # isort: off
 from bladesmith.passes import retinanet_adapter  # noqa: F401
+from bladesmith.passes import head_packing  # noqa: F401
 from bladesmith.passes import precision  # noqa: F401
 from bladesmith.passes import winograd  # noqa: F401
 from bladesmith.passes import channels_last  # noqa: F401
