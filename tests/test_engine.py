@@ -285,3 +285,83 @@ def test_enabler_that_nothing_pays_off_is_dropped_at_the_end():
     assert spec.passes == ()
     assert report.optimized["p50_ms"] == report.baseline["p50_ms"]
     assert optimized.module.delay == SLOW_S
+
+
+_FINISHING: list = []  # not empty while a Finish runner runs
+
+
+class LaunchBound(nn.Module):
+    """Slow outside a Finish runner, fast inside: overhead that a CUDA graph removes."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        if not _FINISHING:
+            time.sleep(2 * SLOW_S)
+        return self.inner(x)
+
+
+class PaysOffFinished(Pass):
+    """Slower than the model by itself, far faster once a finisher wraps it."""
+
+    name = "pays_off_finished"
+
+    def apply(self, candidate, context):
+        return candidate.with_module(LaunchBound(with_delay(candidate.module, 0.0)), self.name)
+
+
+class Finish(Pass):
+    name = "finish"
+    finisher = True
+
+    def apply(self, candidate, context):
+        def run(*args):
+            _FINISHING.append(self)
+            try:
+                return candidate(*args)
+            finally:
+                _FINISHING.pop()
+
+        return candidate.with_runner(run, self.name, wraps=True)
+
+
+class InaccurateFinish(Finish):
+    """Fine for timing, but its outputs fail the accuracy check."""
+
+    def apply(self, candidate, context):
+        finished = super().apply(candidate, context)
+        return finished.with_runner(
+            lambda *args: torch.utils._pytree.tree_map(lambda y: y + 1, finished(*args)),
+            self.name,
+            wraps=True,
+        )
+
+
+def test_passes_are_timed_inside_the_finisher_that_will_wrap_them():
+    _, spec, report = run([PaysOffFinished(), Finish()])
+    pays_off, finish = report.optimizations
+    assert pays_off.status == "kept" and "timed in finish" in pays_off.reason
+    assert pays_off.post_run < pays_off.pre_run / 5
+    # The finisher's own record compares the candidate without it and with it.
+    assert finish.status == "kept" and finish.pre_run > 2 * SLOW_S * 1e3
+    assert finish.post_run < finish.pre_run / 5
+    assert spec.passes == ("pays_off_finished", "finish")
+    assert report.overall["speedup"] > 5
+
+
+def test_without_a_finisher_such_a_pass_is_rejected():
+    _, spec, report = run(
+        [PaysOffFinished(), Finish()], config=Config(warmup=0, iters=3, exclude=["finish"])
+    )
+    assert statuses(report) == {"pays_off_finished": "rejected", "finish": "skipped"}
+    assert spec.passes == ()
+
+
+def test_a_finisher_rejected_at_its_turn_leaves_the_result_timed_without_it():
+    optimized, spec, report = run([PaysOffFinished(), InaccurateFinish()])
+    assert statuses(report) == {"pays_off_finished": "rejected", "finish": "rejected"}
+    assert "dropped at the end" in report.optimizations[0].reason
+    assert spec.passes == ()
+    assert report.optimized["p50_ms"] == report.baseline["p50_ms"]

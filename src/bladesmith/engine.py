@@ -6,6 +6,10 @@ each registered pass the best candidate so far: a pass that applies builds a new
 candidate, whose outputs on every test input are compared with the reference's and
 which is timed; it is kept only if it is within tolerance and at least
 ``Config.min_speedup`` times faster. Every pass gets a record, with its reason.
+
+Candidates are timed as they will run: wrapped by the finisher passes that apply to
+them (a CUDA graph on the GPU), which a finisher's own record then compares with the
+candidate without it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -97,10 +102,16 @@ def optimize(
     warmup, iters = config.timing_counts(device.type)
     batch_size = _batch_size(test_args[0])
 
-    def time_candidate(candidate: Candidate, label: str) -> Timing:
+    finishers = [each for each in passes if each.finisher]
+
+    def time_candidate(candidate: Candidate, label: str, finish: bool = True) -> _Timed:
+        """``candidate``'s timing, wrapped by the finishers that apply (unless not
+        ``finish``), and the names of those that wrapped it."""
+        run, finished_by = _finished(candidate, finishers, context) if finish else (candidate, ())
+        label += f" in {' + '.join(finished_by)}" if finished_by else ""
         with progress.step(f"timing {label}"):
-            return measure(
-                OptimizedModule.from_candidate(candidate),
+            timing = measure(
+                OptimizedModule.from_candidate(run),
                 test_args[0],
                 warmup=warmup,
                 iters=iters,
@@ -108,28 +119,33 @@ def optimize(
                 batch_size=batch_size,
                 progress=progress.timing_callback(f"timing {label}"),
             )
+        return _Timed(timing, finished_by)
 
     best = Candidate(module=working, device=device)
     with progress.step("running the model as given"):
         reference = _outputs(best, context)
-    baseline_timing = time_candidate(best, "the model as given")
-    best_timing = baseline_timing
+    baseline = time_candidate(best, "the model as given")
+    best_timed = baseline
     records: list[PassRecord] = []
-    # (candidate, timing, index of its record) of the baseline (-1) and of kept passes
-    # that nothing kept later beats: those the result may fall back to.
-    checkpoints: list[tuple[Candidate, Timing, int]] = [(best, best_timing, -1)]
+    # (candidate, timing, index of its record) of the baseline (-1, always first) and of
+    # kept passes that nothing kept later beats: those the result may fall back to.
+    checkpoints: list[tuple[Candidate, _Timed, int]] = [(best, best_timed, -1)]
     for each in passes:
-        record, candidate, timing = _try(
-            each, best, best_timing, context, reference, time_candidate
-        )
+        record, candidate, timed = _try(each, best, best_timed, context, reference, time_candidate)
         records.append(record)
         progress.log(record)
         if record.status == "kept":
-            best, best_timing = candidate, timing
-            checkpoints = [c for c in checkpoints if c[1].p50_ms < timing.p50_ms]
-            checkpoints.append((candidate, timing, len(records) - 1))
+            best, best_timed = candidate, timed
+            if each.finisher:  # the candidates before it were timed as this one runs
+                checkpoints = checkpoints[:1]
+            faster = [c for c in checkpoints[1:] if c[1].timing.p50_ms < timed.timing.p50_ms]
+            checkpoints = [checkpoints[0], *faster, (candidate, timed, len(records) - 1)]
             context.kept.append(each.name)
-    best, best_timing = _fastest(checkpoints, records)
+        elif each.name in best_timed.finished_by:  # the best was timed in it: again without
+            best_timed = time_candidate(best, f"the best without {each.name}", finish=False)
+            checkpoints = [checkpoints[0], (best, best_timed, checkpoints[-1][2])]
+    best, best_timed = _fastest(checkpoints, records)
+    best_timing, baseline_timing = best_timed.timing, baseline.timing
     _mark_superseded(records, best)
 
     with progress.step("verifying the result"):
@@ -156,14 +172,40 @@ def optimize(
     return optimized, spec, report
 
 
+@dataclass(frozen=True)
+class _Timed:
+    timing: Timing
+    finished_by: tuple[str, ...] = ()  # the finisher passes it was timed in
+
+
+def _finished(
+    candidate: Candidate, finishers: list[Pass], context: Context
+) -> tuple[Candidate, tuple[str, ...]]:
+    """``candidate`` wrapped by each finisher that applies to it and is not in it yet,
+    and their names. The model as given is left as is: it may not survive a capture
+    (host synchronisations), which the finisher's own trial reports, if it comes to it."""
+    finished_by = []
+    if not candidate.applied:
+        return candidate, ()
+    for finisher in finishers:
+        if finisher.name in candidate.applied or _skip_reason(finisher, candidate, context):
+            continue
+        try:
+            candidate = finisher.apply(candidate, context)
+        except Exception:  # its own trial, later, reports why
+            continue
+        finished_by.append(finisher.name)
+    return candidate, tuple(finished_by)
+
+
 def _try(
     each: Pass,
     best: Candidate,
-    best_timing: Timing,
+    best_timed: _Timed,
     context: Context,
     reference,
-    time_candidate: Callable[[Candidate, str], Timing],
-) -> tuple[PassRecord, Candidate | None, Timing | None]:
+    time_candidate: Callable[..., _Timed],
+) -> tuple[PassRecord, Candidate | None, _Timed | None]:
     """Apply, verify and time one pass against the best candidate so far."""
     name, config = each.name, context.config
 
@@ -185,17 +227,22 @@ def _try(
     except Exception as error:  # a failing pass is reported, never fatal
         return record("failed", _describe(error)), None, None
     waived = each.changes_precision and config.disable_fp16_accuracy_check
-    pre_run = best_timing.p50_ms
+    pre_run = best_timed.timing.p50_ms
     if not accuracy.passed and not waived:
         reason = f"outputs moved past tolerance ({built}; not timed)"
         return record("rejected", reason, pre_run=pre_run, accuracy=accuracy), None, None
     try:
-        timing = time_candidate(candidate, name)
+        if each.name in best_timed.finished_by:  # compare with the candidate without it
+            pre_run = time_candidate(best, f"without {name}", finish=False).timing.p50_ms
+        timed = time_candidate(candidate, name)
     except Exception as error:
         return record("failed", f"timing: {_describe(error)}", accuracy=accuracy), None, None
+    timing = timed.timing
     speedup = pre_run / timing.p50_ms
     fields = dict(pre_run=pre_run, post_run=timing.p50_ms, accuracy=accuracy, timing=timing)
     check = "accuracy check disabled" if not accuracy.passed else "outputs within tolerance"
+    if timed.finished_by:
+        check += f", both timed in {' + '.join(timed.finished_by)}"
     if speedup >= config.min_speedup:
         reason = f"{speedup:.2f}x, {check} ({built})"
     elif each.enabler:
@@ -203,7 +250,7 @@ def _try(
     else:
         reason = f"{speedup:.2f}x, below the {config.min_speedup:g}x needed to keep it ({built})"
         return record("rejected", reason, **fields), None, None
-    return record("kept", reason, **fields), candidate, timing
+    return record("kept", reason, **fields), candidate, timed
 
 
 def _skip_reason(each: Pass, candidate: Candidate, context: Context) -> str | None:
@@ -218,20 +265,20 @@ def _skip_reason(each: Pass, candidate: Candidate, context: Context) -> str | No
     return each.skip_reason(candidate, context)
 
 
-def _fastest(checkpoints: list, records: list[PassRecord]) -> tuple[Candidate, Timing]:
+def _fastest(checkpoints: list, records: list[PassRecord]) -> tuple[Candidate, _Timed]:
     """The fastest checkpoint. Normally the last, as a pass is kept only when faster;
     but an enabler is kept even when slower, and if nothing after it paid off, an
     earlier checkpoint wins: the passes kept after it are dropped, and say so."""
-    candidate, timing, index = min(checkpoints, key=lambda checkpoint: checkpoint[1].p50_ms)
-    last = checkpoints[-1][1]
+    candidate, timed, index = min(checkpoints, key=lambda checkpoint: checkpoint[1].timing.p50_ms)
+    last = checkpoints[-1][1].timing
     for record in records[index + 1 :]:
         if record.status == "kept":
             record.status = "rejected"
             record.reason += (
                 f"; dropped at the end: the result is faster without it "
-                f"({timing.p50_ms:.2f} ms against {last.p50_ms:.2f} ms)"
+                f"({timed.timing.p50_ms:.2f} ms against {last.p50_ms:.2f} ms)"
             )
-    return candidate, timing
+    return candidate, timed
 
 
 def _mark_superseded(records: list[PassRecord], final: Candidate) -> None:

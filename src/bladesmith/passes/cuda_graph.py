@@ -99,6 +99,7 @@ class CudaGraph(Pass):
 
     name = "cuda_graph"
     devices = ("cuda",)
+    finisher = True
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
         runner = CudaGraphRunner(candidate, context.device)

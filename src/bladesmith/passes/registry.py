@@ -56,6 +56,11 @@ class Pass:
     # passes after it need what it does (fixed shapes for compilation and CUDA graphs).
     # If nothing after it pays off, the engine falls back to the fastest result.
     enabler: ClassVar[bool] = False
+    # A finisher wraps what runs without changing what it computes (a CUDA graph around
+    # it). The engine times the candidates before it wrapped by it, as they will run, so
+    # a pass that pays off only there (fp16 at batch 1, where eager launches dominate)
+    # is judged by what it is worth in the end.
+    finisher: ClassVar[bool] = False
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         """Why this pass does not apply to ``candidate``, or None when it does."""
