@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torchvision.models.detection import retinanet_resnet50_fpn
 
-from bench_postprocess import DETECTIONS, IOU, THRESHOLD, TOPK, realistic_inputs
+from bench_postprocess import DETECTIONS, IMAGE, IOU, THRESHOLD, TOPK, realistic_inputs
 from bladesmith.ops import batched_nms, load_library, retinanet_decode
 from gpu_probe import effective_mhz, kernel_times
 
@@ -27,6 +27,26 @@ def clustered(count: int, per_cluster: int, device) -> tuple:
     labels = torch.randint(0, 80, (count // per_cluster,), generator=g, device=device)
     labels = labels.repeat_interleave(per_cluster)
     return boxes[None], scores[None], labels[None]
+
+
+def photograph(device) -> tuple:
+    """The decoded candidates of bladesmith's realistic-load RetinaNet R50-FPN on a
+    photograph: its scores vary smoothly over the image, so boxes of one class overlap in
+    clusters, as a trained model's do around objects."""
+    from bladesmith.models import RetinaNetPipeline, build_retinanet
+    from bladesmith.models.images import sample_images
+
+    pipeline = RetinaNetPipeline(build_retinanet(IMAGE), IMAGE).to(device)
+    cls_logits, bbox_deltas = pipeline.head_outputs(sample_images(1, IMAGE, device=device))
+    return retinanet_decode(
+        cls_logits,
+        bbox_deltas,
+        pipeline.anchors,
+        pipeline.level_sizes,
+        pipeline.resized_hw,
+        score_threshold=THRESHOLD,
+        topk_candidates=TOPK,
+    )
 
 
 def grid(count: int, num_labels: int, device) -> tuple:
@@ -79,6 +99,9 @@ def main() -> None:
                     DETECTIONS,
                 )
             )
+        cases.append(
+            (f"RetinaNet on a photograph, keep {DETECTIONS}", *photograph(device), DETECTIONS)
+        )
         for name, b, s, lab, d in cases:
             times = kernel_times(lambda: batched_nms(b, s, lab, IOU, d))  # noqa: B023
             kept = int(batched_nms(b, s, lab, IOU, d)[3][0])

@@ -4,6 +4,7 @@ latency and the F1 of each, side by side, to see what the gate's choices cost.
     python benchmarks/bench_passes.py                                  # GPU, default combos
     python benchmarks/bench_passes.py --batches 32 --combos adapter,fp16,cuda_graph
     python benchmarks/bench_passes.py --device cpu --threads 2 --combos adapter,torchscript
+    python benchmarks/bench_passes.py --batches 1 --profile   # and each combo's kernels
 
 Each combo is a comma-separated list of pass names, applied in that order ("adapter"
 is short for retinanet_adapter). The model is the realistic-load RetinaNet R50-FPN of
@@ -33,12 +34,12 @@ from bladesmith.passes.registry import create_all
 
 GPU_COMBOS = (
     "adapter,cuda_graph",
-    "adapter,channels_last,cuda_graph",
-    "adapter,fp16,cuda_graph",
     "adapter,fp16,channels_last,cuda_graph",
-    "adapter,fp16,inductor,cuda_graph",
+    "adapter,head_packing,fp16,channels_last,cuda_graph",
     "adapter,fp16,channels_last,inductor,cuda_graph",
-    "adapter,channels_last,inductor,cuda_graph",
+    "adapter,head_packing,fp16,channels_last,inductor,cuda_graph",
+    "adapter,head_packing,fp16,inductor,cuda_graph",
+    "adapter,head_packing,channels_last,inductor,cuda_graph",
 )
 CPU_COMBOS = ("adapter", "adapter,torchscript", "adapter,onnxruntime")
 ALIASES = {"adapter": "retinanet_adapter"}
@@ -77,6 +78,8 @@ def main() -> None:
                 module = OptimizedModule.from_candidate(candidate)
                 row = timed(combo, module, images, reference)
                 print(f"  {row['accuracy']}", flush=True)
+                if args.profile and device.type == "cuda":
+                    row["kernels_us"] = print_kernels(module, images)
             except Exception as error:  # one failing combo must not hide the others
                 row = {"name": combo, "batch": batch, "error": f"{type(error).__name__}: {error}"}
                 print(f"{combo}, batch {batch}: FAILED {row['error'][:300]}", flush=True)
@@ -89,6 +92,18 @@ def main() -> None:
     print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2, default=str) + "\n")
+
+
+def print_kernels(module, images, top: int = 15) -> dict[str, float]:
+    """Device time per call of the kernels ``module`` launches: the total and the largest."""
+    from gpu_probe import kernel_times
+
+    with torch.no_grad():
+        times = kernel_times(lambda: module(images), runs=20)
+    print(f"  kernels: {len(times)} names, {sum(times.values()):.1f} us of device time per call")
+    for name, us in list(times.items())[:top]:
+        print(f"    {us:9.1f} us  {name[:90]}")
+    return times
 
 
 def print_table(rows: list[dict]) -> None:
@@ -121,6 +136,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--profile", action="store_true", help="CUDA: device time per kernel")
     parser.add_argument("--json")
     args = parser.parse_args()
     on_gpu = bladesmith.devices.resolve_device(args.device).type == "cuda"

@@ -32,7 +32,9 @@ def kernel_times(call, runs: int = 30) -> dict[str, float]:
     times: dict[str, float] = {}
     for event in prof.key_averages():
         if event.device_time_total > 0:
-            name = re.search(r"(\w+)\s*[<(]", event.key.removeprefix("void ")).group(1)
+            key = event.key.removeprefix("void ")
+            match = re.search(r"(\w+)\s*[<(]", key)  # cuDNN's names have no signature
+            name = match.group(1) if match else key
             times[name] = times.get(name, 0.0) + event.device_time_total / runs
     return dict(sorted(times.items(), key=lambda item: -item[1]))
 
