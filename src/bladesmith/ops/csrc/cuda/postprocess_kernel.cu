@@ -26,6 +26,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> retinanet_postprocess
   const DecodeShape shape =
       check_decode_inputs(cls_logits, bbox_deltas, anchors, level_sizes, image_sizes,
                           score_threshold, topk_candidates, weights, bbox_clip);
+  check_cuda_decode_shape(shape);
   check_nms_arguments(iou_threshold, max_detections);
   const c10::cuda::CUDAGuard guard(cls_logits.device());
   const int64_t B = shape.batch, K = shape.num_candidates;

@@ -420,11 +420,6 @@ at::Tensor select_candidates(const at::Tensor& cls_logits, const DecodeShape& sh
                              double score_threshold) {
   const int64_t B = shape.batch, C = shape.num_classes, K = shape.num_candidates;
   const int L = static_cast<int>(shape.level_topk.size());
-  TORCH_CHECK_VALUE(L <= kMaxLevels, "level_sizes: the CUDA kernels take at most ", kMaxLevels,
-                    " levels, got ", L);
-  TORCH_CHECK_VALUE(shape.num_anchors * C < (int64_t{1} << 31),
-                    "cls_logits: the CUDA kernels take fewer than 2^31 logits per image (N * C), "
-                    "got ", shape.num_anchors * C);
   auto out = at::empty({B, K}, cls_logits.options().dtype(at::kLong));
   if (B == 0 || K == 0) return out;
 

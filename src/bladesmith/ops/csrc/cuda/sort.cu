@@ -170,8 +170,9 @@ Segments per_image(int64_t groups, int64_t slots) {
 }
 
 Segments per_level(int64_t groups, const std::vector<int64_t>& slot_offsets) {
+  const int max_levels = kMaxLevels;  // by value: see check_cuda_decode_shape
   TORCH_CHECK_VALUE(slot_offsets.size() <= kMaxLevels + 1, "level_sizes: the CUDA kernels take ",
-                    "at most ", kMaxLevels, " levels, got ", slot_offsets.size() - 1);
+                    "at most ", max_levels, " levels, got ", slot_offsets.size() - 1);
   Segments s;
   s.groups = groups;
   s.group_stride = slot_offsets.back();
