@@ -20,8 +20,8 @@ module is a plain convolution again.
 NNPACK runs on its own thread pool, beside PyTorch's OpenMP threads: a kernel that
 starts while OpenMP's threads still spin after a parallel region (GNU OpenMP spins for
 about 3 ms by default) shares the cores with them. ``GOMP_SPINCOUNT=30000`` in the
-environment, before the process starts, shortens that spin (``GOMP_SPINCOUNT=0`` would
-make oneDNN's own convolutions slower).
+environment before torch loads shortens that spin (``GOMP_SPINCOUNT=0`` would make
+oneDNN's own convolutions slower); the ``bladesmith`` command sets it unless it is set.
 """
 
 from __future__ import annotations
