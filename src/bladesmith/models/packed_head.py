@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bladesmith.models.convs import is_same_size_3x3
+
 
 def pack_levels(shapes: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     """Top-left corner (row, column) of each level and the canvas (height, width).
@@ -43,7 +45,7 @@ def packable_blocks(tower: nn.Sequential) -> list[nn.Sequential] | None:
     v2, would mix statistics across the canvas)."""
     for block in tower:
         layers = list(block) if isinstance(block, nn.Sequential) else []
-        if len(layers) != 2 or not _same_size_conv(layers[0]) or type(layers[1]) is not nn.ReLU:
+        if len(layers) != 2 or not is_same_size_3x3(layers[0]) or type(layers[1]) is not nn.ReLU:
             return None
     return list(tower)
 
@@ -56,21 +58,9 @@ def packing_problem(head: nn.Module) -> str | None:
             "its towers are not plain 3x3 convolutions + ReLU (normalisation layers would "
             "mix the levels of a packed canvas)"
         )
-    if not (_same_size_conv(cls_head.cls_logits) and _same_size_conv(reg_head.bbox_reg)):
+    if not (is_same_size_3x3(cls_head.cls_logits) and is_same_size_3x3(reg_head.bbox_reg)):
         return "its output layers are not 3x3 same-size convolutions"
     return None
-
-
-def _same_size_conv(conv: nn.Module) -> bool:
-    return (
-        type(conv) is nn.Conv2d
-        and conv.kernel_size == (3, 3)
-        and conv.stride == (1, 1)
-        and conv.padding == (1, 1)
-        and conv.dilation == (1, 1)
-        and conv.groups == 1
-        and conv.padding_mode == "zeros"
-    )
 
 
 class PackedRetinaNetHead(nn.Module):

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bladesmith.models.convs import is_same_size_3x3
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, PassSkipped, register
 
@@ -208,16 +209,7 @@ def _exporting() -> bool:
 
 def eligible(module: nn.Module) -> bool:
     """A float32 3x3 convolution, stride 1, padding 1, no dilation or groups."""
-    return (
-        type(module) is nn.Conv2d
-        and module.kernel_size == (3, 3)
-        and module.stride == (1, 1)
-        and module.padding == (1, 1)
-        and module.dilation == (1, 1)
-        and module.groups == 1
-        and module.padding_mode == "zeros"
-        and module.weight.dtype == torch.float32
-    )
+    return is_same_size_3x3(module) and module.weight.dtype == torch.float32
 
 
 @register
