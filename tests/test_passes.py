@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import bladesmith
+from bladesmith.artifact import OptimizedModule
 from bladesmith.config import Config
 from bladesmith.passes import Candidate, Context, Pass, registry
 from bladesmith.passes.channels_last import ChannelsLast
@@ -249,3 +250,22 @@ def test_gpu_passes_on_a_detector(retinanet, photos):
         expected = copy.deepcopy(retinanet).cuda()([p.cuda() for p in photos])
     assert compare_detections(expected, optimized(photos)).passed
     assert CudaGraph.name in spec.passes or records["cuda_graph"].status == "rejected"
+
+
+@cuda
+def test_head_packing_in_half_precision_in_a_cuda_graph_keeps_the_detections(retinanet, photos):
+    from bladesmith.passes.head_packing import HeadPacking
+
+    images = [p.cuda() for p in photos]
+    context = context_for((images,), device="cuda")
+    adapted = RetinaNetAdapter().apply(
+        Candidate(copy.deepcopy(retinanet).cuda(), context.device), context
+    )
+    outputs = []
+    for packing in (False, True):
+        candidate = HeadPacking().apply(adapted, context) if packing else adapted
+        for each in (Float16(), ChannelsLast(), CudaGraph()):
+            candidate = each.apply(candidate, context)
+        with torch.no_grad():
+            outputs.append(OptimizedModule.from_candidate(candidate)(images))
+    assert compare_detections(outputs[0], outputs[1], score_atol=1.1e-2).passed
