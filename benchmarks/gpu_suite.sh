@@ -34,11 +34,11 @@ for s in $steps; do
         bench-ops)
             step bench-ops-fp32 python3 benchmarks/bench_postprocess.py --json "$out/bench_postprocess_fp32.json"
             step bench-ops-fp16 python3 benchmarks/bench_postprocess.py --dtype float16 --json "$out/bench_postprocess_fp16.json" ;;
-        bench-passes)  # the default combos; kernel times at batch 1
-            step bench-passes-b1 python3 benchmarks/bench_passes.py --batches 1 --profile \
-                --json "$out/bench_passes_b1.json"
-            step bench-passes-b32 python3 benchmarks/bench_passes.py --batches 32 \
-                --json "$out/bench_passes_b32.json" ;;
+        bench-passes)  # the default combos, with their kernel times
+            for batch in 1 32; do
+                step "bench-passes-b$batch" python3 benchmarks/bench_passes.py --batches "$batch" \
+                    --profile --json "$out/bench_passes_b$batch.json"
+            done ;;
         bench-optimize)  # one process per batch size: a failure in one keeps the other
             for batch in 1 32; do
                 step "bench-optimize-b$batch" python3 benchmarks/bench_optimize.py --batches "$batch" \
