@@ -184,9 +184,9 @@ def _finished(
     """``candidate`` wrapped by each finisher that applies to it and is not in it yet,
     and their names. The model as given is left as is: it may not survive a capture
     (host synchronisations), which the finisher's own trial reports, if it comes to it."""
-    finished_by = []
     if not candidate.applied:
         return candidate, ()
+    finished_by = []
     for finisher in finishers:
         if finisher.name in candidate.applied or _skip_reason(finisher, candidate, context):
             continue
