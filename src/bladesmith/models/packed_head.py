@@ -100,9 +100,13 @@ class PackedRetinaNetHead(nn.Module):
 
     def forward(self, features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         first = features[0]
-        canvas = first.new_zeros((first.shape[0], first.shape[1], *self.canvas_size))
-        if first.is_contiguous(memory_format=torch.channels_last):
-            canvas = canvas.contiguous(memory_format=torch.channels_last)
+        nhwc = first.is_contiguous(memory_format=torch.channels_last)
+        canvas = torch.empty(
+            (first.shape[0], first.shape[1], *self.canvas_size),
+            dtype=first.dtype,
+            device=first.device,
+            memory_format=torch.channels_last if nhwc else torch.contiguous_format,
+        ).zero_()
         for level, (top, left), (height, width) in zip(features, self.origins, self.shapes):
             canvas[:, :, top : top + height, left : left + width] = level
         cls_logits = self._gather(self.cls_logits(self._tower(self.cls_tower, canvas)))
