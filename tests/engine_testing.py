@@ -1,14 +1,22 @@
-"""Helpers shared by the engine's tests: a small detector and a pass that makes any
-candidate fast, so that what the engine keeps does not depend on the machine's load."""
+"""Helpers shared by the engine's tests: a small detector, a pass that makes any
+candidate fast, so that what the engine keeps does not depend on the machine's load, and
+the mark of GPU-only tests."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils import _pytree as pytree
 
 from bladesmith.passes import Pass
 
 IMAGE_SIZE = (128, 160)
+
+
+def cuda(test):
+    """GPU-only: marked `cuda` (pytest -m cuda) and skipped where there is none."""
+    needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+    return pytest.mark.cuda(needs_gpu(test))
 
 
 def tiny_detector():

@@ -11,15 +11,9 @@ from bladesmith.config import Config
 from bladesmith.errors import BladesmithError
 from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
 from bladesmith.verify import compare_detections, detection_score_tolerance
-from engine_testing import Memoized, tiny_detector
+from engine_testing import Memoized, cuda, tiny_detector
 
 QUICK = Config(warmup=0, iters=1)
-
-
-def cuda(test):
-    """GPU-only: marked `cuda` (pytest -m cuda) and skipped where there is none."""
-    needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-    return pytest.mark.cuda(needs_gpu(test))
 
 
 def optimized_net():

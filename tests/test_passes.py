@@ -20,15 +20,9 @@ from bladesmith.passes.precision import BFloat16, CastFloats, Float16
 from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
 from bladesmith.passes.torchscript import TorchScriptFreeze
 from bladesmith.verify import compare_detections
-from engine_testing import IMAGE_SIZE, Memoized, tiny_detector
+from engine_testing import IMAGE_SIZE, Memoized, cuda, tiny_detector
 
 QUICK = Config(warmup=0, iters=2)
-
-
-def cuda(test):
-    """GPU-only: marked `cuda` (pytest -m cuda) and skipped where there is none."""
-    needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-    return pytest.mark.cuda(needs_gpu(test))
 
 
 def conv_net() -> nn.Module:
