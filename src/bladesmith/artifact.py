@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from bladesmith.errors import BladesmithError
+from bladesmith.models.images import as_batch
 from bladesmith.passes.onnxruntime import cpu_runner, export_onnx
 from bladesmith.passes.torchscript import freeze, quiet_torchscript
 from bladesmith.spec import AOTI_SUFFIX, SAVE_FORMATS, TORCHSCRIPT_SUFFIX, Spec
@@ -111,8 +112,6 @@ class OptimizedModule(nn.Module):
             return self._as_list(*args, **kwargs)
 
     def _run_padded(self, images):
-        from bladesmith.models.images import as_batch
-
         return self._run(as_batch(images))
 
     def _to_device(self, value):

@@ -131,7 +131,10 @@ def optimize(
     # kept passes that nothing kept later beats: those the result may fall back to.
     checkpoints: list[tuple[Candidate, _Timed, int]] = [(best, best_timed, -1)]
     for each in passes:
-        record, candidate, timed = _try(each, best, best_timed, context, reference, time_candidate)
+        before = best_timed
+        if each.name in best_timed.finished_by:  # the best was timed in it: compare without
+            before = time_candidate(best, f"the best without {each.name}", finish=False)
+        record, candidate, timed = _try(each, best, before, context, reference, time_candidate)
         records.append(record)
         progress.log(record)
         if record.status == "kept":
@@ -141,8 +144,8 @@ def optimize(
             faster = [c for c in checkpoints[1:] if c[1].timing.p50_ms < timed.timing.p50_ms]
             checkpoints = [checkpoints[0], *faster, (candidate, timed, len(records) - 1)]
             context.kept.append(each.name)
-        elif each.name in best_timed.finished_by:  # the best was timed in it: again without
-            best_timed = time_candidate(best, f"the best without {each.name}", finish=False)
+        elif before is not best_timed:  # it will not wrap the best: that runs without it
+            best_timed = before
             checkpoints = [checkpoints[0], (best, best_timed, checkpoints[-1][2])]
     best, best_timed = _fastest(checkpoints, records)
     best_timing, baseline_timing = best_timed.timing, baseline.timing
@@ -206,7 +209,8 @@ def _try(
     reference,
     time_candidate: Callable[..., _Timed],
 ) -> tuple[PassRecord, Candidate | None, _Timed | None]:
-    """Apply, verify and time one pass against the best candidate so far."""
+    """Apply, verify and time one pass against the best candidate so far, timed as
+    ``best_timed`` (without the pass, when the pass is a finisher it was timed in)."""
     name, config = each.name, context.config
 
     def record(status, reason, **fields):
@@ -232,8 +236,6 @@ def _try(
         reason = f"outputs moved past tolerance ({built}; not timed)"
         return record("rejected", reason, pre_run=pre_run, accuracy=accuracy), None, None
     try:
-        if each.name in best_timed.finished_by:  # compare with the candidate without it
-            pre_run = time_candidate(best, f"without {name}", finish=False).timing.p50_ms
         timed = time_candidate(candidate, name)
     except Exception as error:
         return record("failed", f"timing: {_describe(error)}", accuracy=accuracy), None, None

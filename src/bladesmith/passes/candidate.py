@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from bladesmith.models.images import as_batch
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -48,8 +50,6 @@ class Candidate:
         """The runner's inputs for the user's call ``model(*user_args)``."""
         if not self.padded_detections:
             return tuple(user_args)
-        from bladesmith.models.images import as_batch
-
         return (as_batch(user_args[0]),)
 
     def with_module(self, module: nn.Module, name: str, **changes) -> Candidate:
