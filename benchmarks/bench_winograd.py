@@ -1,12 +1,13 @@
 """The winograd pass on a CPU: per-convolution timings, and optimize with and without it.
 
     python benchmarks/bench_winograd.py                 # RetinaNet R50-FPN, 3x480x640
-    GOMP_SPINCOUNT=30000 python benchmarks/bench_winograd.py --skip-shapes
+    python benchmarks/bench_winograd.py --skip-shapes
 
 First table: each 3x3 stride-1 convolution shape of the model, ms per call (median of
-interleaved rounds) with oneDNN (``F.conv2d``), PyTorch's NNPACK entry point
-(``torch._nnpack_spatial_convolution``, kernel transformed on every call) and the pass's
-operator (kernel transformed once). Second: torchvision eager against
+interleaved rounds) with oneDNN (``F.conv2d``, channels_last), PyTorch's NNPACK entry
+point (``torch._nnpack_spatial_convolution``, Winograd F(6x6, 3x3), its kernel
+transformed on every call) and the pass's operator (F(4x4, 3x3)), with each one's error
+against float64. Second: torchvision eager against
 ``bladesmith.optimize(device="cpu")`` without and with the winograd pass, timed in
 interleaved rounds (the order reversed every other round) so that load from elsewhere
 hits every row alike, with the F1 of their detections against eager's (near ties
@@ -44,37 +45,47 @@ def main() -> None:
     args = parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
-    spin = {k: os.environ.get(k) for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    print(f"threads {torch.get_num_threads()}, {spin}, load {loadavg()}")
-    # Also initialises NNPACK, which torch._nnpack_spatial_convolution needs and skips.
+    print(f"threads {torch.get_num_threads()}, load {loadavg()}")
     if winograd.unavailable():
-        raise SystemExit(f"NNPACK: {winograd.unavailable()}")
+        raise SystemExit(winograd.unavailable())
     if not args.skip_shapes:
         shapes_table(args.rounds)
     models_table(args.rounds)
 
 
 def shapes_table(rounds: int) -> None:
-    print("\nms per call, median   oneDNN  torch NNPACK  winograd op  (op vs oneDNN)")
+    nnpack = torch.backends.nnpack.is_available()
+    print("\nms per call, median   oneDNN  torch NNPACK  winograd op  (op vs oneDNN)", end="")
+    print("  error: NNPACK, op")
     with torch.no_grad():
         for channels, height, width, out in SHAPES:
-            x = torch.randn(1, channels, height, width)
+            x = torch.randn(1, channels, height, width).to(memory_format=torch.channels_last)
             weight = torch.randn(out, channels, 3, 3) * (channels * 9) ** -0.5
-            times = interleaved(conv_runs(x, weight, torch.zeros(out)), rounds, calls=3)
+            runs = conv_runs(x, weight, torch.zeros(out), nnpack)
+            expected = F.conv2d(x.double(), weight.double(), padding=1)
+            error = {
+                n: ((run().double() - expected).abs().max() / expected.abs().max()).item()
+                for n, run in runs.items()
+            }
+            times = interleaved(runs, rounds, calls=3)
             ms = {name: statistics.median(values) for name, values in times.items()}
             shape = f"{channels}->{out} at {height}x{width}"
+            nan = float("nan")
             print(
-                f"{shape:20s} {ms['onednn']:8.2f} {ms['torch']:13.2f} {ms['op']:12.2f}"
+                f"{shape:20s} {ms['onednn']:8.2f} {ms.get('torch', nan):13.2f} {ms['op']:12.2f}"
                 f"  ({ms['onednn'] / ms['op']:.2f}x)"
+                f"  {error.get('torch', nan):.1e}, {error['op']:.1e}"
             )
 
 
-def conv_runs(x, weight, bias) -> dict:
-    return {
+def conv_runs(x, weight, bias, nnpack: bool) -> dict:
+    runs = {
         "onednn": lambda: F.conv2d(x, weight, bias, 1, 1),
-        "torch": lambda: torch._nnpack_spatial_convolution(x, weight, bias, [1, 1]),
         "op": lambda: torch.ops.bladesmith_winograd.conv3x3(x, weight, bias, False),
     }
+    if nnpack:
+        runs["torch"] = lambda: torch._nnpack_spatial_convolution(x, weight, bias, [1, 1])
+    return runs
 
 
 def models_table(rounds: int) -> None:
@@ -91,8 +102,6 @@ def models_table(rounds: int) -> None:
         print(f"\n{label}: kept {', '.join(spec.passes)}")
         print("\n".join(n for n in report.diagnosis["notes"] if n.startswith("winograd")))
         rows[label] = optimized
-    kernels = sum(entry[2].numel() for entry in winograd._kernels.values()) / 2**20
-    print(f"\nNNPACK's transformed kernels in memory: {kernels:.0f} MiB")
     with torch.no_grad():
         accuracy = {name: compare_detections(reference, run(images)) for name, run in rows.items()}
         before = cpu_counters()

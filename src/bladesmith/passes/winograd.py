@@ -1,184 +1,59 @@
-"""winograd: 3x3 stride-1 convolutions as NNPACK Winograd F(6x6, 3x3), where faster (CPU).
+"""winograd: 3x3 stride-1 convolutions as Winograd F(4x4, 3x3), where faster (CPU).
 
-Three quarters of a RetinaNet's FLOPs are 3x3 stride-1 convolutions. Winograd
-F(6x6, 3x3) computes them with about 5x fewer multiplications (float32 error about 1e-5
-relative); NNPACK, built into PyTorch's CPU library, implements it. PyTorch's own entry
-point (``torch._nnpack_spatial_convolution``) transforms the kernel again on every call
-(16.8 MB for a 256->256 kernel), which makes it no faster than oneDNN at 30x40 pixels
-and slower below. Here the kernel is transformed once, per process, and every call
-reuses it, through NNPACK's C API (``nnp_convolution_inference``, exported by
-libtorch_cpu) with the bias and a following ReLU fused.
+Three quarters of a RetinaNet's FLOPs are 3x3 stride-1 convolutions, and oneDNN runs
+them near this CPU's peak: only fewer multiplications make them faster. Winograd
+F(4x4, 3x3) computes a 4x4 output tile with 36 multiplications per channel pair instead
+of 144 (float32 error about 1e-5 relative). The operator
+``torch.ops.bladesmith_winograd.conv3x3`` (``ops/csrc/cpu/winograd_kernel.cpp``)
+transforms the input and output tiles itself and leaves the 36 products to oneDNN, as one
+grouped 1x1 convolution; it transforms each kernel once per process, and fuses the bias
+and a following ReLU.
 
-The pass times oneDNN against NNPACK on each convolution's real input sizes (from the
-test data) and switches only the (convolution, input size) pairs that NNPACK runs
-clearly faster (``MIN_GAIN``, ``MIN_SAVING_MS``); the engine then times the whole
-model. Batch norms after a switched convolution are folded into it. The convolution
-runs as the operator ``torch.ops.bladesmith_winograd.conv3x3``, so TorchScript traces
-and freezes it; when compiling (Inductor, ``torch.export``) or exporting to ONNX the
-module is a plain convolution again.
-
-NNPACK runs on its own thread pool, beside PyTorch's OpenMP threads: a kernel that
-starts while OpenMP's threads still spin after a parallel region (GNU OpenMP spins for
-about 3 ms by default) shares the cores with them. ``GOMP_SPINCOUNT=30000`` in the
-environment before torch loads shortens that spin (``GOMP_SPINCOUNT=0`` would make
-oneDNN's own convolutions slower); the ``bladesmith`` command sets it unless it is set.
+The pass times oneDNN against the operator on each convolution's real input sizes (from
+the test data) and switches only the (convolution, input size) pairs that the operator
+runs faster (``MIN_GAIN``, ``MIN_SAVING_MS``): on the smallest levels too few tiles keep
+oneDNN's grouped convolution busy. The engine then times the whole model. Batch norms
+after a switched convolution are folded into it. TorchScript traces and freezes the
+operator; when compiling (Inductor, ``torch.export``) or exporting to ONNX the module is a
+plain convolution again.
 """
 
 from __future__ import annotations
 
 import copy
-import ctypes
 import statistics
-import sys
-import threading
 import time
-import weakref
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bladesmith.errors import OpsBuildError
 from bladesmith.models.convs import is_same_size_3x3
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, PassSkipped, register
 
-# NNPACK's enums (nnpack.h).
-_WT8X8, _PRECOMPUTE, _REUSE = 3, 2, 3
-# NNPACK must run a convolution alone this much faster than oneDNN, and save this much
-# per call, to be used: in the model it also pays for sharing the cores with OpenMP's
-# threads when it follows an OpenMP operator (GNU OpenMP's threads spin for several ms
-# after a parallel region by default), and for reading its transformed kernels, 64
-# values per 3x3 kernel instead of 9, from memory rather than cache. On RetinaNet
-# R50-FPN (2 Zen 4 cores) using NNPACK at 60x80 and 30x40 with 256 channels (1.7-3x
-# faster alone) beat using it also where it was 1.2-1.4x faster alone (15x20, 120x160).
-MIN_GAIN = 1.5
-MIN_SAVING_MS = 1.0
+# The operator must run a convolution alone this much faster than oneDNN, and save this
+# much per call, to be used: timings on random data alone move by about 10%.
+MIN_GAIN = 1.15
+MIN_SAVING_MS = 0.1
 _ROUNDS = 5
 
 
-class _Size(ctypes.Structure):
-    _fields_ = [("width", ctypes.c_size_t), ("height", ctypes.c_size_t)]
-
-
-class _Padding(ctypes.Structure):
-    _fields_ = [(side, ctypes.c_size_t) for side in ("top", "right", "bottom", "left")]
-
-
-class _Nnpack:
-    """NNPACK's inference entry point in libtorch_cpu, with a thread pool of its own."""
-
-    def __init__(self):
-        suffix = ".dylib" if sys.platform == "darwin" else ".so"
-        library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / f"libtorch_cpu{suffix}"))
-        self.inference = library.nnp_convolution_inference
-        self.inference.restype = ctypes.c_int
-        self.inference.argtypes = [
-            ctypes.c_int, ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t,
-            _Size, _Padding, _Size, _Size,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.POINTER(ctypes.c_size_t), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_void_p,
-        ]  # fmt: skip
-        if library.nnp_initialize() != 0:
-            raise OSError("nnp_initialize failed (NNPACK does not support this CPU)")
-        library.pthreadpool_create.restype = ctypes.c_void_p
-        library.pthreadpool_create.argtypes = [ctypes.c_size_t]
-        self.pool = library.pthreadpool_create(torch.get_num_threads())
-
-    def __call__(self, strategy, weight_shape, height, width, relu, buffers, workspace_size):
-        """nnp_convolution_inference; buffers: input, kernel, bias, output, workspace."""
-        out_channels, in_channels = weight_shape[:2]
-        status = self.inference(
-            _WT8X8, strategy, in_channels, out_channels,
-            _Size(width, height), _Padding(1, 1, 1, 1), _Size(3, 3), _Size(1, 1),
-            *[None if b is None else ctypes.c_void_p(b.data_ptr()) for b in buffers],
-            ctypes.byref(workspace_size), int(relu), None, self.pool, None,
-        )  # fmt: skip
-        if status != 0:
-            raise RuntimeError(f"nnp_convolution_inference failed with NNPACK status {status}")
-
-
-_nnpack: _Nnpack | None = None
-_nnpack_error: str | None = None
-
-
 def unavailable() -> str | None:
-    """Why NNPACK cannot run here, or None when it can (loads it on first use)."""
-    global _nnpack, _nnpack_error
-    if _nnpack is None and _nnpack_error is None:
-        if not torch.backends.nnpack.is_available():
-            _nnpack_error = "this PyTorch build has no NNPACK"
-        else:
-            try:
-                _nnpack = _Nnpack()
-            except (OSError, AttributeError) as error:  # no library, or no such symbol
-                _nnpack_error = f"NNPACK's C API is not reachable in libtorch_cpu: {error}"
-    return _nnpack_error
+    """Why the operator cannot run here, or None when it can (builds the operator library
+    on first use)."""
+    from bladesmith.ops.build import load_library
 
-
-def _loaded() -> _Nnpack:
-    reason = unavailable()
-    if reason:
-        raise RuntimeError(f"bladesmith_winograd::conv3x3: {reason}")
-    return _nnpack
-
-
-# Transformed kernels by weight tensor, made in this process: their layout follows this
-# CPU's cache sizes, so they are never saved with the model. An entry goes with its
-# weight, and is made again when the weight is changed in place.
-_kernels: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
-_workspaces = threading.local()
-
-
-def _transformed_kernel(weight: torch.Tensor) -> torch.Tensor:
-    key = id(weight)
-    entry = _kernels.get(key)
-    if entry is not None and entry[0]() is weight and entry[1] == weight._version:
-        return entry[2]
-    nnpack, size = _loaded(), ctypes.c_size_t(0)
-    # The transform does not depend on the image size: any size will do.
-    nnpack(_PRECOMPUTE, weight.shape, 8, 8, False, [None] * 5, size)  # asks for the size
-    kernel = torch.empty(size.value, dtype=torch.uint8)
-    weights = weight.detach().contiguous()
-    nnpack(_PRECOMPUTE, weight.shape, 8, 8, False, [None, weights, None, None, kernel], size)
-    if entry is None:
-        weakref.finalize(weight, _kernels.pop, key, None)
-    _kernels[key] = (weakref.ref(weight), weight._version, kernel)
-    return kernel
-
-
-def _conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, relu: bool):
-    if not x.dtype == weight.dtype == bias.dtype == torch.float32:
-        raise TypeError(f"bladesmith_winograd::conv3x3 computes in float32, got {x.dtype}")
-    batch, _, height, width = x.shape
-    x, bias = x.contiguous(), bias.contiguous()
-    kernel = _transformed_kernel(weight)
-    out = x.new_empty(batch, weight.shape[0], height, width)
-    nnpack, size = _loaded(), ctypes.c_size_t(0)
-    nnpack(_REUSE, weight.shape, height, width, relu, [None] * 5, size)  # workspace size
-    workspace = getattr(_workspaces, "buffer", None)
-    if workspace is None or workspace.numel() < size.value:
-        workspace = _workspaces.buffer = torch.empty(size.value, dtype=torch.uint8)
-    for i in range(batch):  # NNPACK's inference API takes one image
-        size.value = workspace.numel()
-        buffers = [x[i], kernel, bias, out[i], workspace]
-        nnpack(_REUSE, weight.shape, height, width, relu, buffers, size)
-    return out
-
-
-_library = torch.library.Library("bladesmith_winograd", "DEF")
-_library.define("conv3x3(Tensor x, Tensor weight, Tensor bias, bool relu) -> Tensor")
-_library.impl("conv3x3", _conv3x3, "CPU")
-_library.impl(
-    "conv3x3",
-    lambda x, weight, bias, relu: x.new_empty(x.shape[0], weight.shape[0], *x.shape[2:]),
-    "Meta",
-)
+    try:
+        load_library()
+    except OpsBuildError as error:
+        return f"the operator library cannot be built: {error}"
+    return None
 
 
 class WinogradConv2d(nn.Module):
-    """A 3x3 stride-1 padding-1 convolution (+ ReLU) that runs NNPACK's Winograd on the
+    """A 3x3 stride-1 padding-1 convolution (+ ReLU) that runs Winograd F(4x4, 3x3) on the
     input sizes in ``sizes``, and ``F.conv2d`` on other sizes and whenever it is compiled
     or exported (those see a plain convolution)."""
 
@@ -214,7 +89,7 @@ def eligible(module: nn.Module) -> bool:
 
 @register
 class Winograd(Pass):
-    """3x3 stride-1 convolutions as NNPACK Winograd with pre-transformed kernels (CPU)."""
+    """3x3 stride-1 convolutions as Winograd F(4x4, 3x3), where timed faster (CPU)."""
 
     name = "winograd"
     devices = ("cpu",)
@@ -223,14 +98,14 @@ class Winograd(Pass):
         if isinstance(candidate.module, torch.jit.ScriptModule):
             return "TorchScript modules cannot be rewritten; give optimize the nn.Module"
         if candidate.dtype != torch.float32:
-            return "NNPACK's Winograd computes in float32 only"
+            return "the Winograd operator computes in float32 only"
         if not any(eligible(m) for m in candidate.module.modules()):
             return "the model has no 3x3 stride-1 convolutions"
         return unavailable()
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
         module = copy.deepcopy(candidate.module)
-        with context.step("timing oneDNN against NNPACK per convolution"):
+        with context.step("timing oneDNN against Winograd per convolution"):
             sizes = _input_sizes(module, [candidate.runner_args(a) for a in context.test_args])
             timings = {key: _time(*key) for key in {_key(c, s) for c, ss in sizes for s in ss}}
         chosen = {
@@ -242,8 +117,8 @@ class Winograd(Pass):
             raise PassSkipped(f"oneDNN is faster on every 3x3 convolution: {_summary(timings)}")
         context.notes.append(
             f"winograd: {len(switched)} of {len(sizes)} 3x3 stride-1 convolutions run "
-            f"NNPACK Winograd at some input size ({', '.join(switched)}); per call, "
-            f"oneDNN -> NNPACK: {_summary(timings)}"
+            f"Winograd at some input size ({', '.join(switched)}); per call, "
+            f"oneDNN -> Winograd: {_summary(timings)}"
         )
         return candidate.with_module(module, self.name)
 
@@ -277,39 +152,39 @@ def _key(conv: nn.Conv2d, shape: tuple) -> tuple:
 
 
 def _time(out_channels: int, batch: int, channels: int, height: int, width: int):
-    """Median ms per call of oneDNN and of NNPACK on random data of this shape: each
-    runs four times in a row, of which the last two are timed (its threads awake, its
-    kernel transformed, and OpenMP's threads done spinning, which takes longer than a
-    30x40 call), the two in turn so that a burst of load elsewhere hits both."""
-    x = torch.randn(batch, channels, height, width)
+    """Median ms per call of oneDNN and of the operator on random channels_last data of
+    this shape (what the channels_last pass makes of the model): each runs three times in
+    a row, of which the last two are timed, the two in turn so that a burst of load
+    elsewhere hits both."""
+    x = torch.randn(batch, channels, height, width).to(memory_format=torch.channels_last)
     weight = torch.randn(out_channels, channels, 3, 3) * (channels * 9) ** -0.5
     bias = torch.zeros(out_channels)
     runs = {
         "onednn": lambda: F.conv2d(x, weight, bias, 1, 1),
-        "nnpack": lambda: torch.ops.bladesmith_winograd.conv3x3(x, weight, bias, False),
+        "winograd": lambda: torch.ops.bladesmith_winograd.conv3x3(x, weight, bias, False),
     }
     times = {name: [] for name in runs}
     with torch.no_grad():
         for _ in range(_ROUNDS):
             for name, run in runs.items():
-                for call in range(4):
+                for call in range(3):
                     start = time.perf_counter()
                     run()
-                    if call >= 2:
+                    if call >= 1:
                         times[name].append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times["onednn"]), statistics.median(times["nnpack"])
+    return statistics.median(times["onednn"]), statistics.median(times["winograd"])
 
 
 def _wins(timing: tuple[float, float]) -> bool:
-    onednn, nnpack = timing
-    return nnpack * MIN_GAIN <= onednn and onednn - nnpack >= MIN_SAVING_MS
+    onednn, winograd = timing
+    return winograd * MIN_GAIN <= onednn and onednn - winograd >= MIN_SAVING_MS
 
 
 def _summary(timings: dict) -> str:
     return ", ".join(
-        f"{channels}->{out} at {h}x{w} {onednn:.2f} -> {nnpack:.2f} ms"
-        + ("" if _wins((onednn, nnpack)) else " (kept oneDNN)")
-        for (out, _, channels, h, w), (onednn, nnpack) in sorted(
+        f"{channels}->{out} at {h}x{w} {onednn:.2f} -> {winograd:.2f} ms"
+        + ("" if _wins((onednn, winograd)) else " (kept oneDNN)")
+        for (out, _, channels, h, w), (onednn, winograd) in sorted(
             timings.items(), key=lambda item: -item[1][0]
         )
     )
