@@ -30,34 +30,6 @@ def test_help_does_not_import_torch():
     assert done.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("preset", [None, "7"], ids=["default", "user's"])
-def test_the_command_shortens_openmp_spin_before_torch_loads_unless_set(preset):
-    import os
-
-    code = (
-        "import os, sys; from bladesmith.cli import main\n"
-        "try: main(['--help'])\nexcept SystemExit: pass\n"
-        "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
-    if preset:
-        env["GOMP_SPINCOUNT"] = preset
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
-    )
-    assert done.stdout.splitlines()[-1].split() == [preset or "30000", "False"]
-
-
-def test_openmp_spin_is_left_alone_once_torch_is_loaded(monkeypatch):
-    import os
-
-    from bladesmith.cli import shorten_openmp_spin
-
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    shorten_openmp_spin()  # torch is loaded in this process: too late to matter
-    assert "GOMP_SPINCOUNT" not in os.environ
-
-
 def test_doctor_help_documents_the_exit_status(capsys):
     with pytest.raises(SystemExit):
         main(["doctor", "--help"])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 # Order is the order of `bladesmith --help`.
@@ -20,19 +19,6 @@ _COMMAND_MODULES = (
     "bladesmith.onnx.check_cli",
     "bladesmith.onnx.export_cli",
 )
-
-
-# Iterations GNU OpenMP's idle threads spin before they sleep (its default lasts about
-# 3 ms): shorter, they leave the cores to NNPACK's threads (the winograd pass) sooner; 0
-# would slow oneDNN's convolutions. 1.62x -> 1.73x end to end on 2 cores.
-OPENMP_SPIN_COUNT = "30000"
-
-
-def shorten_openmp_spin() -> None:
-    """Set GOMP_SPINCOUNT for this process unless the user did. OpenMP reads it once,
-    when torch loads: the command line sets it before anything imports torch."""
-    if "torch" not in sys.modules:
-        os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
 
 
 def input_size(text: str) -> tuple[int, int]:
@@ -81,7 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from bladesmith.errors import BladesmithError
 
-    shorten_openmp_spin()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
