@@ -37,6 +37,7 @@ GPU_COMBOS = (
     "adapter,fp16,channels_last,cuda_graph",
     "adapter,head_packing,fp16,channels_last,cuda_graph",
     "adapter,fp16,channels_last,inductor,cuda_graph",
+    "adapter,fp16,channels_last,conv_fusion,inductor,cuda_graph",
     "adapter,head_packing,fp16,channels_last,inductor,cuda_graph",
     "adapter,head_packing,fp16,inductor,cuda_graph",
     "adapter,head_packing,channels_last,inductor,cuda_graph",

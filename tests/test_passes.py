@@ -83,6 +83,7 @@ def test_registry_lists_builtin_passes_in_order_and_refuses_duplicates():
         "bf16",
         "winograd",
         "channels_last",
+        "conv_fusion",
         "inductor",
         "cuda_graph",
         "torchscript",

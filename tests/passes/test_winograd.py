@@ -9,6 +9,7 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock
 
 from bladesmith.config import Config
+from bladesmith.ops.build import unavailable
 from bladesmith.passes import Candidate, Context, PassSkipped, registry, winograd
 from bladesmith.passes.onnxruntime import OnnxRuntime
 from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
@@ -16,9 +17,7 @@ from bladesmith.passes.torchscript import TorchScriptFreeze
 from bladesmith.passes.winograd import Winograd, WinogradConv2d
 from bladesmith.verify import compare_detections
 
-pytestmark = pytest.mark.skipif(
-    winograd.unavailable() is not None, reason=f"{winograd.unavailable()}"
-)
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}")
 CPU = torch.device("cpu")
 
 

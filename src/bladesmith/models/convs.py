@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -17,3 +18,26 @@ def is_same_size_3x3(module: nn.Module) -> bool:
         and module.groups == 1
         and module.padding_mode == "zeros"
     )
+
+
+def is_foldable_norm(module: nn.Module) -> bool:
+    """A batch norm with fixed statistics (eval mode, or torchvision's frozen one): an
+    affine map per channel, which a convolution before it can absorb."""
+    from torchvision.ops import FrozenBatchNorm2d
+
+    if isinstance(module, nn.BatchNorm2d):
+        return not module.training and module.track_running_stats
+    return isinstance(module, FrozenBatchNorm2d)
+
+
+def fold_norm(conv: nn.Conv2d, norm: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight and bias of ``conv`` followed by ``norm`` (a foldable one, or None), in
+    the convolution's dtype; the arithmetic is float32 whatever that dtype is."""
+    weight = conv.weight.detach()
+    dtype = weight.dtype
+    bias = conv.bias.detach() if conv.bias is not None else weight.new_zeros(conv.out_channels)
+    if norm is None:
+        return weight, bias
+    scale = norm.weight.float() / torch.sqrt(norm.running_var.float() + norm.eps)
+    folded_bias = (bias.float() - norm.running_mean.float()) * scale + norm.bias.float()
+    return (weight.float() * scale.view(-1, 1, 1, 1)).to(dtype), folded_bias.to(dtype)

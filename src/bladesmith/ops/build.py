@@ -118,6 +118,16 @@ def load_library(cuda: bool | None = None, verbose: bool = False) -> str:
     return _loaded
 
 
+def unavailable() -> str | None:
+    """Why the operator library cannot be loaded here, or None once it is (building it
+    first if needed): what a pass that calls the operators reports when it skips."""
+    try:
+        load_library()
+    except OpsBuildError as error:
+        return f"the operator library cannot be built: {error}"
+    return None
+
+
 def status(cuda: bool | None = None) -> LibraryStatus:
     """Whether the library of this configuration is built and loads, without building it.
     When built and not yet loaded, it is loaded (that is the test)."""

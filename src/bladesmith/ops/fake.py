@@ -221,3 +221,17 @@ def retinanet_postprocess_fake(
         bbox_clip,
     )
     return batched_nms_fake(boxes, scores, labels, iou_threshold, max_detections)
+
+
+@torch.library.register_fake("bladesmith::conv2d_relu")
+def conv2d_relu_fake(x, weight, bias, residual, stride, padding, dilation, groups):
+    sizes = [x.shape[0], weight.shape[0]]
+    for d in range(2):
+        span = dilation[d] * (weight.shape[d + 2] - 1) + 1
+        sizes.append((x.shape[d + 2] + 2 * padding[d] - span) // stride[d] + 1)
+    if residual is not None and list(residual.shape) != sizes:
+        raise RuntimeError(
+            f"conv2d_relu: residual has shape {list(residual.shape)}, the convolution's "
+            f"output {sizes}"
+        )
+    return x.new_empty(sizes).contiguous(memory_format=torch.channels_last)

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bladesmith.errors import OpsBuildError
-from bladesmith.models.convs import is_same_size_3x3
+from bladesmith.models.convs import fold_norm, is_foldable_norm, is_same_size_3x3
+from bladesmith.ops.build import unavailable
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, PassSkipped, register
 
@@ -38,18 +38,6 @@ from bladesmith.passes.registry import Context, Pass, PassSkipped, register
 MIN_GAIN = 1.15
 MIN_SAVING_MS = 0.1
 _ROUNDS = 5
-
-
-def unavailable() -> str | None:
-    """Why the operator cannot run here, or None when it can (builds the operator library
-    on first use)."""
-    from bladesmith.ops.build import load_library
-
-    try:
-        load_library()
-    except OpsBuildError as error:
-        return f"the operator library cannot be built: {error}"
-    return None
 
 
 class WinogradConv2d(nn.Module):
@@ -213,32 +201,15 @@ def _replace(module: nn.Module, chosen: dict[nn.Conv2d, set]) -> list[str]:
             else:
                 following = []
             norm = children[following[0]] if following else None
-            norm = norm if norm is not None and _is_norm(norm) else None
+            norm = norm if norm is not None and is_foldable_norm(norm) else None
             rest = following[1:] if norm is not None else following
             relu = isinstance(parent, nn.Sequential) and bool(rest)
             relu = relu and isinstance(children[rest[0]], nn.ReLU)
             folded = following[: (norm is not None) + relu]
-            weight, bias = _folded(conv, norm)
+            weight, bias = fold_norm(conv, norm)
             sizes = {shape[-2:] for shape in chosen[conv]}
             setattr(parent, name, WinogradConv2d(weight, bias, relu, sizes))
             for other in folded:
                 setattr(parent, other, nn.Identity())
             swapped.append(f"{parent_name}.{name}".lstrip("."))
     return swapped
-
-
-def _is_norm(module: nn.Module) -> bool:
-    from torchvision.ops import FrozenBatchNorm2d
-
-    if isinstance(module, nn.BatchNorm2d):
-        return not module.training and module.track_running_stats
-    return isinstance(module, FrozenBatchNorm2d)
-
-
-def _folded(conv: nn.Conv2d, norm: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
-    weight = conv.weight.detach()
-    bias = conv.bias.detach() if conv.bias is not None else torch.zeros(conv.out_channels)
-    if norm is None:
-        return weight, bias
-    scale = norm.weight / torch.sqrt(norm.running_var + norm.eps)
-    return weight * scale.view(-1, 1, 1, 1), (bias - norm.running_mean) * scale + norm.bias

@@ -56,6 +56,10 @@ TORCH_LIBRARY(bladesmith, m) {
       "float iou_threshold, int max_detections, float[] weights=[1.,1.,1.,1.], "
       "float bbox_clip=4.135166556742356) "
       "-> (Tensor boxes, Tensor scores, Tensor labels, Tensor num_detections)");
+  // relu(conv2d(x, weight) + bias [+ residual]), output channels_last (conv_relu.cpp).
+  m.def(
+      "conv2d_relu(Tensor x, Tensor weight, Tensor bias, Tensor? residual, int[2] stride, "
+      "int[2] padding, int[2] dilation, int groups) -> Tensor");
 }
 
 // CompositeExplicitAutograd rather than CompositeImplicitAutograd: it serves every backend
