@@ -84,6 +84,7 @@ def test_registry_lists_builtin_passes_in_order_and_refuses_duplicates():
         "winograd",
         "channels_last",
         "conv_fusion",
+        "channel_padding",
         "inductor",
         "cuda_graph",
         "torchscript",

@@ -30,6 +30,7 @@ def is_foldable_norm(module: nn.Module) -> bool:
     return isinstance(module, FrozenBatchNorm2d)
 
 
+@torch.no_grad()
 def fold_norm(conv: nn.Conv2d, norm: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The weight and bias of ``conv`` followed by ``norm`` (a foldable one, or None), in
     the convolution's dtype; the arithmetic is float32 whatever that dtype is."""

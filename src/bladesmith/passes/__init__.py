@@ -13,6 +13,7 @@ from bladesmith.passes import precision  # noqa: F401
 from bladesmith.passes import winograd  # noqa: F401
 from bladesmith.passes import channels_last  # noqa: F401
 from bladesmith.passes import conv_fusion  # noqa: F401
+from bladesmith.passes import channel_padding  # noqa: F401
 from bladesmith.passes import inductor  # noqa: F401
 from bladesmith.passes import cuda_graph  # noqa: F401
 from bladesmith.passes import torchscript  # noqa: F401
