@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from bladesmith.passes import Pass
+from bladesmith.config import Config
+from bladesmith.passes import Context, Pass
 
 IMAGE_SIZE = (128, 160)
 
@@ -17,6 +18,18 @@ def cuda(test):
     """GPU-only: marked `cuda` (pytest -m cuda) and skipped where there is none."""
     needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
     return pytest.mark.cuda(needs_gpu(test))
+
+
+def context_for(args: tuple, device="cpu", level="o1", kept=()) -> Context:
+    """A pass's context for a test: ``args`` the one test input, quick timing."""
+    return Context(
+        device=torch.device(device),
+        level=level,
+        config=Config(warmup=0, iters=2),
+        example_args=args,
+        test_args=[args],
+        kept=list(kept),
+    )
 
 
 def tiny_detector():

@@ -11,7 +11,7 @@ from torch import nn
 import bladesmith
 from bladesmith.artifact import OptimizedModule
 from bladesmith.config import Config
-from bladesmith.passes import Candidate, Context, Pass, registry
+from bladesmith.passes import Candidate, Pass, registry
 from bladesmith.passes.channels_last import ChannelsLast
 from bladesmith.passes.cuda_graph import CudaGraph, CudaGraphRunner
 from bladesmith.passes.inductor import Inductor, compile_mode
@@ -20,7 +20,7 @@ from bladesmith.passes.precision import BFloat16, CastFloats, Float16
 from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
 from bladesmith.passes.torchscript import TorchScriptFreeze
 from bladesmith.verify import compare_detections
-from engine_testing import IMAGE_SIZE, Memoized, cuda, tiny_detector
+from engine_testing import IMAGE_SIZE, Memoized, context_for, cuda, tiny_detector
 
 QUICK = Config(warmup=0, iters=2)
 
@@ -30,17 +30,6 @@ def conv_net() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3)
     ).eval()
-
-
-def context_for(args: tuple, device="cpu", level="o1", kept=()) -> Context:
-    return Context(
-        device=torch.device(device),
-        level=level,
-        config=QUICK,
-        example_args=args,
-        test_args=[args],
-        kept=list(kept),
-    )
 
 
 @pytest.fixture(scope="module")

@@ -10,27 +10,16 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock
 
 from bladesmith.artifact import OptimizedModule
-from bladesmith.config import Config
 from bladesmith.ops.build import unavailable
-from bladesmith.passes import Candidate, Context
+from bladesmith.passes import Candidate
 from bladesmith.passes.channel_padding import ChannelPadded, ChannelPadding
 from bladesmith.passes.conv_fusion import ConvFusion, FusedConv2dReLU
 from bladesmith.passes.head_packing import HeadPacking
 from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
 from bladesmith.verify import compare_detections
-from engine_testing import cuda, tiny_detector
+from engine_testing import context_for, cuda, tiny_detector
 
 CPU = torch.device("cpu")
-
-
-def context_for(args: tuple, device: str = "cpu") -> Context:
-    return Context(
-        device=torch.device(device),
-        level="o1",
-        config=Config(warmup=0, iters=2),
-        example_args=args,
-        test_args=[args],
-    )
 
 
 class TwoHeads(nn.Module):

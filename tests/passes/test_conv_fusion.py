@@ -14,26 +14,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from bladesmith.artifact import OptimizedModule
-from bladesmith.config import Config
 from bladesmith.ops.build import unavailable
-from bladesmith.passes import Candidate, Context
+from bladesmith.passes import Candidate
 from bladesmith.passes.conv_fusion import ConvFusion, FusedConv2dReLU, FusedResidualBlock, fuse
 from bladesmith.passes.head_packing import HeadPacking
 from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
 from bladesmith.verify import compare_detections
-from engine_testing import cuda, tiny_detector
+from engine_testing import context_for, cuda, tiny_detector
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}")
-
-
-def context_for(args: tuple, device: str = "cpu") -> Context:
-    return Context(
-        device=torch.device(device),
-        level="o1",
-        config=Config(warmup=0, iters=2),
-        example_args=args,
-        test_args=[args],
-    )
 
 
 def reference(x, weight, bias, residual, stride, padding, dilation, groups):
