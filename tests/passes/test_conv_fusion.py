@@ -130,7 +130,7 @@ def test_skips_models_without_a_convolution_followed_by_a_relu():
     assert "TorchScript" in reason
 
 
-def test_fused_model_exports_plain_convolutions_to_onnx_and_traces_the_operator():
+def test_fused_model_exports_plain_convolutions_to_onnx_and_keeps_the_operator_traced():
     net = fusable_net()
     fuse(net)
     x = torch.randn(1, 3, 16, 16)
@@ -141,8 +141,14 @@ def test_fused_model_exports_plain_convolutions_to_onnx_and_traces_the_operator(
     exported = torch.export.export(net, (x,))
     targets = {str(node.target) for node in exported.graph.nodes}
     assert "bladesmith.conv2d_relu.default" in targets
+    buffer = io.BytesIO()
+    torch.jit.save(torch.jit.trace(net, (x,)), buffer)
+    buffer.seek(0)
+    loaded = torch.jit.load(buffer)
+    assert "bladesmith::conv2d_relu" in loaded.inlined_graph.str()
     with torch.no_grad():
         torch.testing.assert_close(exported.module()(x), net(x))
+        torch.testing.assert_close(loaded(x), net(x))
 
 
 @pytest.fixture(scope="module")
