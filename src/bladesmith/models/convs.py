@@ -30,6 +30,19 @@ def is_foldable_norm(module: nn.Module) -> bool:
     return isinstance(module, FrozenBatchNorm2d)
 
 
+def norm_and_relu_after(
+    children: list[tuple[str, nn.Module]], position: int
+) -> tuple[str | None, str | None]:
+    """In a container that runs ``children`` (name, module) in order: the names of the
+    foldable batch norm and of the ReLU that directly follow ``children[position]``, the
+    norm first; each None where there is none."""
+    following = children[position + 1 : position + 3]
+    norm = following[0][0] if following and is_foldable_norm(following[0][1]) else None
+    after = following[1:] if norm else following
+    relu = after[0][0] if after and type(after[0][1]) is nn.ReLU else None
+    return norm, relu
+
+
 @torch.no_grad()
 def fold_norm(conv: nn.Conv2d, norm: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The weight and bias of ``conv`` followed by ``norm`` (a foldable one, or None), in

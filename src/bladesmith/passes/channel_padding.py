@@ -12,6 +12,7 @@ returns the real output channels, so what the model computes is unchanged.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from torch import nn
 
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.conv_fusion import FusedConv2dReLU, FusedResidualBlock
-from bladesmith.passes.registry import Context, Pass, PassSkipped, register
+from bladesmith.passes.registry import Context, Pass, register
 
 IMAGE_CHANNELS = 4  # what cuDNN's first-layer kernels read: 3 colours and a zero
 OUTPUT_MULTIPLE = 8
@@ -44,14 +45,22 @@ class ChannelPadded(nn.Module):
 
 def _paddings(conv: nn.Module) -> tuple[int, int]:
     """(input, output) channels to add to ``conv``; (0, 0) for modules it does not pad."""
-    if not (type(conv) is nn.Conv2d or isinstance(conv, FusedConv2dReLU)):
-        return 0, 0
-    if getattr(conv, "groups", 1) != 1 or conv.weight.dim() != 4:
+    if not (type(conv) is nn.Conv2d or isinstance(conv, FusedConv2dReLU)) or conv.groups != 1:
         return 0, 0
     out_channels, in_channels = conv.weight.shape[:2]
     extra_in = IMAGE_CHANNELS - in_channels if in_channels == 3 else 0
     extra_out = -out_channels % OUTPUT_MULTIPLE
     return extra_in, extra_out
+
+
+def _targets(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
+    """(parent name, parent, child name, convolution) of each convolution to pad. A
+    residual block calls its last convolution with the shortcut too: those are left."""
+    in_blocks = {m for b in module.modules() if isinstance(b, FusedResidualBlock) for m in b.convs}
+    for parent_name, parent in list(module.named_modules()):
+        for name, conv in list(parent.named_children()):
+            if conv not in in_blocks and any(_paddings(conv)):
+                yield parent_name, parent, name, conv
 
 
 def _padded(conv: nn.Module, extra_in: int, extra_out: int) -> ChannelPadded:
@@ -82,24 +91,17 @@ def pad(module: nn.Module) -> list[str]:
     A convolution that several parents hold is replaced in each by one padded copy."""
     replacements: dict[nn.Module, ChannelPadded] = {}
     padded = []
-    # A residual block calls its last convolution with the shortcut too: left alone.
-    in_blocks = {m for b in module.modules() if isinstance(b, FusedResidualBlock) for m in b.convs}
-    for parent_name, parent in list(module.named_modules()):
-        for name, conv in list(parent.named_children()):
-            if conv in in_blocks:
-                continue
-            if conv not in replacements:
-                extra_in, extra_out = _paddings(conv)
-                if not (extra_in or extra_out):
-                    continue
-                replacements[conv] = _padded(conv, extra_in, extra_out)
-                out_channels, in_channels = conv.weight.shape[:2]
-                padded.append(
-                    f"{parent_name}.{name}".lstrip(".")
-                    + f": {in_channels}->{out_channels} as "
-                    + f"{in_channels + extra_in}->{out_channels + extra_out}"
-                )
-            setattr(parent, name, replacements[conv])
+    for parent_name, parent, name, conv in list(_targets(module)):
+        if conv not in replacements:
+            extra_in, extra_out = _paddings(conv)
+            replacements[conv] = _padded(conv, extra_in, extra_out)
+            out_channels, in_channels = conv.weight.shape[:2]
+            padded.append(
+                f"{parent_name}.{name}".lstrip(".")
+                + f": {in_channels}->{out_channels} as "
+                + f"{in_channels + extra_in}->{out_channels + extra_out}"
+            )
+        setattr(parent, name, replacements[conv])
     return padded
 
 
@@ -114,14 +116,11 @@ class ChannelPadding(Pass):
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if isinstance(candidate.module, torch.jit.ScriptModule):
             return "TorchScript modules cannot be rewritten; give optimize the nn.Module"
-        if not any(any(_paddings(m)) for m in candidate.module.modules()):
+        if next(_targets(candidate.module), None) is None:
             return "every convolution has channel counts cuDNN takes as they are"
         return None
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
         module = copy.deepcopy(candidate.module)
-        padded = pad(module)
-        if not padded:
-            raise PassSkipped("only convolutions inside residual blocks would need padding")
-        context.notes.append(f"channel_padding: {'; '.join(padded)}")
+        context.notes.append(f"channel_padding: {'; '.join(pad(module))}")
         return candidate.with_module(module, self.name)

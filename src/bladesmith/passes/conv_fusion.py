@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bladesmith.models.convs import fold_norm, is_foldable_norm
+from bladesmith.models.convs import fold_norm, is_foldable_norm, norm_and_relu_after
 from bladesmith.ops.build import unavailable
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, register
@@ -33,7 +33,8 @@ class FusedConv2dReLU(nn.Module):
     def __init__(self, conv: nn.Conv2d, norm: nn.Module | None = None):
         super().__init__()
         weight, bias = fold_norm(conv, norm)
-        self.register_buffer("weight", weight.clone())
+        # The layout the operator convolves in, so no call has to convert the weight.
+        self.register_buffer("weight", weight.clone(memory_format=torch.channels_last))
         self.register_buffer("bias", bias.clone())
         self.stride = list(conv.stride)
         self.padding = list(conv.padding)
@@ -122,13 +123,10 @@ def _conv_relu_runs(parent: nn.Module) -> list[tuple[str, str | None, str]]:
     children = list(parent.named_children())
     runs = []
     for position, (name, conv) in enumerate(children):
-        if not eligible(conv):
-            continue
-        following = children[position + 1 : position + 3]
-        norm = following[0][0] if following and is_foldable_norm(following[0][1]) else None
-        after = following[1:] if norm else following
-        if after and type(after[0][1]) is nn.ReLU:
-            runs.append((name, norm, after[0][0]))
+        if eligible(conv):
+            norm, relu = norm_and_relu_after(children, position)
+            if relu:
+                runs.append((name, norm, relu))
     return runs
 
 

@@ -28,7 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bladesmith.models.convs import fold_norm, is_foldable_norm, is_same_size_3x3
+from bladesmith.models.convs import (
+    fold_norm,
+    is_foldable_norm,
+    is_same_size_3x3,
+    norm_and_relu_after,
+)
 from bladesmith.ops.build import unavailable
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, PassSkipped, register
@@ -188,28 +193,21 @@ def _replace(module: nn.Module, chosen: dict[nn.Conv2d, set]) -> list[str]:
 
     swapped = []
     for parent_name, parent in list(module.named_modules()):
-        children = dict(parent.named_children())
-        names = list(children)
-        for position, name in enumerate(names):
-            conv = children[name]
+        children = list(parent.named_children())
+        for position, (name, conv) in enumerate(children):
             if conv not in chosen:
                 continue
+            norm = relu = None
             if isinstance(parent, nn.Sequential):
-                following = names[position + 1 : position + 3]
+                norm, relu = norm_and_relu_after(children, position)
             elif isinstance(parent, (BasicBlock, Bottleneck)):
-                following = [n for n in [name.replace("conv", "bn")] if n in children]
-            else:
-                following = []
-            norm = children[following[0]] if following else None
-            norm = norm if norm is not None and is_foldable_norm(norm) else None
-            rest = following[1:] if norm is not None else following
-            relu = isinstance(parent, nn.Sequential) and bool(rest)
-            relu = relu and isinstance(children[rest[0]], nn.ReLU)
-            folded = following[: (norm is not None) + relu]
-            weight, bias = fold_norm(conv, norm)
+                bn = name.replace("conv", "bn")
+                norm = bn if is_foldable_norm(getattr(parent, bn, None)) else None
+            weight, bias = fold_norm(conv, getattr(parent, norm) if norm else None)
             sizes = {shape[-2:] for shape in chosen[conv]}
-            setattr(parent, name, WinogradConv2d(weight, bias, relu, sizes))
-            for other in folded:
-                setattr(parent, other, nn.Identity())
+            setattr(parent, name, WinogradConv2d(weight, bias, relu is not None, sizes))
+            for other in (norm, relu):
+                if other:
+                    setattr(parent, other, nn.Identity())
             swapped.append(f"{parent_name}.{name}".lstrip("."))
     return swapped

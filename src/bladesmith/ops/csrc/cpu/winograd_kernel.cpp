@@ -227,6 +227,18 @@ at::Tensor products(const at::Tensor& transformed, const at::Tensor& kernel) {
       .contiguous(at::MemoryFormat::ChannelsLast);
 }
 
+// f(tile, image, tile row, tile column) for every output tile of every image, in parallel;
+// tiles are numbered image by image, row by row.
+template <typename F>
+void for_each_tile(int64_t images, int64_t rows, int64_t cols, const F& f) {
+  const int64_t per_image = rows * cols;
+  at::parallel_for(0, images * per_image, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      f(tile, tile / per_image, tile % per_image / cols, tile % cols);
+    }
+  });
+}
+
 at::Tensor conv3x3(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
                    bool relu) {
   TORCH_CHECK_TYPE(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
@@ -246,37 +258,31 @@ at::Tensor conv3x3(const at::Tensor& input, const at::Tensor& weight, const at::
   TORCH_CHECK_VALUE(bias.numel() == out_channels, "bladesmith_winograd::conv3x3: expected ",
                     out_channels, " bias values, got ", bias.numel());
   const int64_t rows = (height + kOut - 1) / kOut, cols = (width + kOut - 1) / kOut;
-  const int64_t per_image = rows * cols, tiles = batch * per_image;
+  const int64_t tiles = batch * rows * cols;
   const auto x = input.contiguous(at::MemoryFormat::ChannelsLast);
   const auto b = bias.contiguous();
   auto transformed = at::empty({1, kPoints * channels, tiles, 1},
                                input.options().memory_format(at::MemoryFormat::ChannelsLast));
   const float* xs = x.data_ptr<float>();
   float* vs = transformed.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t image = tile / per_image, r = tile % per_image / cols, c = tile % cols;
-      for (int64_t c0 = 0; c0 < channels; c0 += kBlock) {
-        input_tile(xs + image * height * width * channels, height, width, channels,
-                   r * kOut - 1, c * kOut - 1, c0, std::min(kBlock, channels - c0),
-                   vs + tile * kPoints * channels);
-      }
+  for_each_tile(batch, rows, cols, [&](int64_t tile, int64_t image, int64_t r, int64_t c) {
+    for (int64_t c0 = 0; c0 < channels; c0 += kBlock) {
+      input_tile(xs + image * height * width * channels, height, width, channels,
+                 r * kOut - 1, c * kOut - 1, c0, std::min(kBlock, channels - c0),
+                 vs + tile * kPoints * channels);
     }
   });
   const auto m = products(transformed, transformed_kernel(weight, transformed.sizes()));
   auto output = at::empty({batch, out_channels, height, width},
                           input.options().memory_format(at::MemoryFormat::ChannelsLast));
   const float* ms = m.data_ptr<float>();
+  const float* bs = b.data_ptr<float>();
   float* ys = output.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t image = tile / per_image, r = tile % per_image / cols, c = tile % cols;
-      for (int64_t k0 = 0; k0 < out_channels; k0 += kBlock) {
-        output_tile(ms + tile * kPoints * out_channels, out_channels, b.data_ptr<float>(), relu,
-                    height, width, out_channels, r * kOut, c * kOut, k0,
-                    std::min(kBlock, out_channels - k0),
-                    ys + image * height * width * out_channels);
-      }
+  for_each_tile(batch, rows, cols, [&](int64_t tile, int64_t image, int64_t r, int64_t c) {
+    for (int64_t k0 = 0; k0 < out_channels; k0 += kBlock) {
+      output_tile(ms + tile * kPoints * out_channels, out_channels, bs, relu, height, width,
+                  out_channels, r * kOut, c * kOut, k0, std::min(kBlock, out_channels - k0),
+                  ys + image * height * width * out_channels);
     }
   });
   return output;
