@@ -1,15 +1,19 @@
-"""Helpers shared by the engine's tests: a small detector, a pass that makes any
-candidate fast, so that what the engine keeps does not depend on the machine's load, and
-the mark of GPU-only tests."""
+"""Helpers shared by the engine's and the passes' tests: a small detector, a pass that
+makes any candidate fast, so that what the engine keeps does not depend on the machine's
+load, batch norms worth folding, the detector through chosen passes, and the mark of
+GPU-only tests."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from bladesmith.config import Config
-from bladesmith.passes import Context, Pass
+from bladesmith.passes import Candidate, Context, Pass
 
 IMAGE_SIZE = (128, 160)
 
@@ -30,6 +34,39 @@ def context_for(args: tuple, device="cpu", level="o1", kept=()) -> Context:
         test_args=[args],
         kept=list(kept),
     )
+
+
+def randomize_norms(net: nn.Module) -> nn.Module:
+    """``net`` in eval mode, its batch norms changing what they normalise, so that a fold
+    that drops one shows in the outputs."""
+    for module in net.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.running_mean.uniform_(-1, 1)
+            module.running_var.uniform_(0.5, 2)
+            module.weight.data.uniform_(0.5, 2)
+            module.bias.data.uniform_(-1, 1)
+    return net.eval()
+
+
+def detections_through(model, photos, *pass_lists, device="cuda") -> list:
+    """The detections of ``model`` on ``photos`` as a fixed-shape pipeline on ``device``,
+    then through each list of passes in turn (applied in order, without the gate)."""
+    from bladesmith.artifact import OptimizedModule
+    from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
+
+    images = [p.to(device) for p in photos]
+    context = context_for((images,), device=device)
+    adapted = RetinaNetAdapter().apply(
+        Candidate(copy.deepcopy(model).to(device), context.device), context
+    )
+    outputs = []
+    for passes in pass_lists:
+        candidate = adapted
+        for each in passes:
+            candidate = each.apply(candidate, context)
+        with torch.no_grad():
+            outputs.append(OptimizedModule.from_candidate(candidate)(images))
+    return outputs
 
 
 def tiny_detector():

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 import bladesmith
-from bladesmith.artifact import OptimizedModule
 from bladesmith.config import Config
 from bladesmith.passes import Candidate, Pass, registry
 from bladesmith.passes.channels_last import ChannelsLast
@@ -20,7 +19,14 @@ from bladesmith.passes.precision import BFloat16, CastFloats, Float16
 from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
 from bladesmith.passes.torchscript import TorchScriptFreeze
 from bladesmith.verify import compare_detections
-from engine_testing import IMAGE_SIZE, Memoized, context_for, cuda, tiny_detector
+from engine_testing import (
+    IMAGE_SIZE,
+    Memoized,
+    context_for,
+    cuda,
+    detections_through,
+    tiny_detector,
+)
 
 QUICK = Config(warmup=0, iters=2)
 
@@ -241,16 +247,10 @@ def test_gpu_passes_on_a_detector(retinanet, photos):
 def test_head_packing_in_half_precision_in_a_cuda_graph_keeps_the_detections(retinanet, photos):
     from bladesmith.passes.head_packing import HeadPacking
 
-    images = [p.cuda() for p in photos]
-    context = context_for((images,), device="cuda")
-    adapted = RetinaNetAdapter().apply(
-        Candidate(copy.deepcopy(retinanet).cuda(), context.device), context
+    plain, packed = detections_through(
+        retinanet,
+        photos,
+        (Float16(), ChannelsLast(), CudaGraph()),
+        (HeadPacking(), Float16(), ChannelsLast(), CudaGraph()),
     )
-    outputs = []
-    for packing in (False, True):
-        candidate = HeadPacking().apply(adapted, context) if packing else adapted
-        for each in (Float16(), ChannelsLast(), CudaGraph()):
-            candidate = each.apply(candidate, context)
-        with torch.no_grad():
-            outputs.append(OptimizedModule.from_candidate(candidate)(images))
-    assert compare_detections(outputs[0], outputs[1], score_atol=1.1e-2).passed
+    assert compare_detections(plain, packed, score_atol=1.1e-2).passed

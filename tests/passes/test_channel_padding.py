@@ -17,7 +17,7 @@ from bladesmith.passes.conv_fusion import ConvFusion, FusedConv2dReLU
 from bladesmith.passes.head_packing import HeadPacking
 from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
 from bladesmith.verify import compare_detections
-from engine_testing import context_for, cuda, tiny_detector
+from engine_testing import context_for, cuda, detections_through, tiny_detector
 
 CPU = torch.device("cpu")
 
@@ -111,17 +111,9 @@ def test_padded_and_fused_detector_compiles_and_keeps_the_detections(detector):
     from bladesmith.passes.inductor import Inductor
     from bladesmith.passes.precision import Float16
 
-    model, photos = detector
-    images = [p.cuda() for p in photos]
-    context = context_for((images,), device="cuda")
-    candidate = RetinaNetAdapter().apply(
-        Candidate(copy.deepcopy(model).cuda(), context.device), context
+    plain, padded = detections_through(
+        *detector,
+        (Float16(), ChannelsLast(), Inductor(), CudaGraph()),
+        (Float16(), ChannelsLast(), ConvFusion(), ChannelPadding(), Inductor(), CudaGraph()),
     )
-    outputs = []
-    for rewrites in ((), (ConvFusion(), ChannelPadding())):
-        each = candidate
-        for step in (Float16(), ChannelsLast(), *rewrites, Inductor(), CudaGraph()):
-            each = step.apply(each, context)
-        with torch.no_grad():
-            outputs.append(OptimizedModule.from_candidate(each)(images))
-    assert compare_detections(outputs[0], outputs[1], score_atol=1.1e-2).passed
+    assert compare_detections(plain, padded, score_atol=1.1e-2).passed

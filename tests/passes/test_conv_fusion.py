@@ -20,7 +20,7 @@ from bladesmith.passes.conv_fusion import ConvFusion, FusedConv2dReLU, FusedResi
 from bladesmith.passes.head_packing import HeadPacking
 from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
 from bladesmith.verify import compare_detections
-from engine_testing import context_for, cuda, tiny_detector
+from engine_testing import context_for, cuda, detections_through, randomize_norms, tiny_detector
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}")
 
@@ -67,18 +67,6 @@ def test_conv2d_relu_refuses_a_residual_of_another_shape_or_dtype():
         )
     with pytest.raises(RuntimeError, match="must share a dtype"):
         torch.ops.bladesmith.conv2d_relu(x, weight.half(), bias, None, *sizes)
-
-
-def randomize_norms(net: nn.Module) -> nn.Module:
-    """Batch norms that change what they normalise, so a fold that drops one shows."""
-    torch.manual_seed(0)
-    for module in net.modules():
-        if isinstance(module, nn.BatchNorm2d):
-            module.running_mean.uniform_(-1, 1)
-            module.running_var.uniform_(0.5, 2)
-            module.weight.data.uniform_(0.5, 2)
-            module.bias.data.uniform_(-1, 1)
-    return net.eval()
 
 
 def fusable_net() -> nn.Module:
@@ -195,23 +183,9 @@ def test_fused_detector_compiles_and_keeps_the_detections(detector):
     from bladesmith.passes.inductor import Inductor
     from bladesmith.passes.precision import Float16
 
-    model, photos = detector
-    images = [p.cuda() for p in photos]
-    context = context_for((images,), device="cuda")
-    candidate = RetinaNetAdapter().apply(
-        Candidate(copy.deepcopy(model).cuda(), context.device), context
+    plain, fused = detections_through(
+        *detector,
+        (Float16(), ChannelsLast(), Inductor(), CudaGraph()),
+        (Float16(), ChannelsLast(), ConvFusion(), Inductor(), CudaGraph()),
     )
-    outputs = []
-    for fusion in (False, True):
-        each = candidate
-        for step in (
-            Float16(),
-            ChannelsLast(),
-            *([ConvFusion()] * fusion),
-            Inductor(),
-            CudaGraph(),
-        ):
-            each = step.apply(each, context)
-        with torch.no_grad():
-            outputs.append(OptimizedModule.from_candidate(each)(images))
-    assert compare_detections(outputs[0], outputs[1], score_atol=1.1e-2).passed
+    assert compare_detections(plain, fused, score_atol=1.1e-2).passed

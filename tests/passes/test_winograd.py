@@ -16,6 +16,7 @@ from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
 from bladesmith.passes.torchscript import TorchScriptFreeze
 from bladesmith.passes.winograd import Winograd, WinogradConv2d
 from bladesmith.verify import compare_detections
+from engine_testing import randomize_norms
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}")
 CPU = torch.device("cpu")
@@ -109,13 +110,7 @@ def conv_bn_relu_net() -> nn.Module:
         BasicBlock(8, 8),
         nn.Conv2d(8, 4, 3, stride=2, padding=1),
     )
-    for module in net.modules():  # batch norms that change what they normalise
-        if isinstance(module, nn.BatchNorm2d):
-            module.running_mean.uniform_(-1, 1)
-            module.running_var.uniform_(0.5, 2)
-            module.weight.data.uniform_(0.5, 2)
-            module.bias.data.uniform_(-1, 1)
-    return net.eval()
+    return randomize_norms(net)
 
 
 def test_apply_folds_batch_norms_and_relu_and_keeps_the_outputs(winograd_wins):
