@@ -80,7 +80,7 @@ def main() -> None:
                 row = timed(combo, module, images, reference)
                 print(f"  {row['accuracy']}", flush=True)
                 if args.profile and device.type == "cuda":
-                    row["kernels_us"] = print_kernels(module, images)
+                    row["kernels_us"] = print_kernels(module, images, args.top)
             except Exception as error:  # one failing combo must not hide the others
                 row = {"name": combo, "batch": batch, "error": f"{type(error).__name__}: {error}"}
                 print(f"{combo}, batch {batch}: FAILED {row['error'][:300]}", flush=True)
@@ -95,7 +95,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(rows, indent=2, default=str) + "\n")
 
 
-def print_kernels(module, images, top: int = 15) -> dict[str, float]:
+def print_kernels(module, images, top: int) -> dict[str, float]:
     """Device time per call of the kernels ``module`` launches: the total and the largest."""
     from gpu_probe import kernel_times
 
@@ -138,6 +138,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--profile", action="store_true", help="CUDA: device time per kernel")
+    parser.add_argument("--top", type=int, default=15, help="kernels listed per combo")
     parser.add_argument("--json")
     args = parser.parse_args()
     on_gpu = bladesmith.devices.resolve_device(args.device).type == "cuda"

@@ -47,6 +47,30 @@ def test_static_anchors_and_head_equal_torchvision(model):
     assert torch.equal(cls_logits, head["cls_logits"])
     assert torch.equal(bbox_deltas, head["bbox_regression"])
     assert sum(pipeline.level_sizes) == anchors.shape[0]
+    with torch.no_grad():
+        cls_logits, bbox_deltas = pipeline.head_outputs(images, torch.float64)
+    assert cls_logits.dtype == bbox_deltas.dtype == torch.float64
+    assert torch.equal(cls_logits, head["cls_logits"].double())
+    assert torch.equal(bbox_deltas, head["bbox_regression"].double())
+
+
+def test_a_head_with_its_own_forward_is_called_as_is(model):
+    from torchvision.models.detection.retinanet import RetinaNetClassificationHead
+
+    class ShiftedHead(RetinaNetClassificationHead):
+        def forward(self, x):
+            return super().forward(x) + 1.0
+
+    pipeline = RetinaNetPipeline(model, SIZE)
+    images = sample_images(1, SIZE)
+    with torch.no_grad():
+        plain, _ = pipeline.head_outputs(images)
+        pipeline.head.classification_head.__class__ = ShiftedHead
+        try:
+            shifted, _ = pipeline.head_outputs(images)
+        finally:
+            pipeline.head.classification_head.__class__ = RetinaNetClassificationHead
+    assert torch.equal(shifted, plain + 1.0)
 
 
 @pytest.mark.parametrize("image_size", [SIZE, (48, 80)], ids=["fixed", "resized"])
