@@ -320,20 +320,20 @@ __global__ void __launch_bounds__(kThreads)
     const bool take_all = st.status == kTakeAll;
     const unsigned long long region = st.prefix;
     const int region_shift = st.shift;
+    const T* level_logits = logits + t.image * p.logits_per_image + p.level_begin[l];
     float x[kItems];
-    load_tile<T, VEC>(logits + t.image * p.logits_per_image + p.level_begin[l], p.level_size[l],
-                      t.start, x);
-    uint32_t bits[kItems];
+    load_tile<T, VEC>(level_logits, p.level_size[l], t.start, x);
     uint32_t above = 0, boundary = 0;  // item masks
 #pragma unroll
     for (int n = 0; n < kItems; ++n) {
-      if (!passing_score<T>(p, x[n], bits[n])) continue;
+      uint32_t bits;
+      if (!passing_score<T>(p, x[n], bits)) continue;
       if (take_all) {
         above |= 1u << n;
         continue;
       }
       const uint64_t key =
-          ranking_key(p, l, bits[n], item_position<VEC>(t.start, n / VEC) + n % VEC);
+          ranking_key(p, l, bits, item_position<VEC>(t.start, n / VEC) + n % VEC);
       const unsigned long long q = key >> region_shift;
       if (q > region) above |= 1u << n;
       if (q == region) boundary |= 1u << n;
@@ -352,18 +352,22 @@ __global__ void __launch_bounds__(kThreads)
     uint64_t* level = level_out(t);
     uint64_t* bound = seg_boundary(t);
     // The counts cannot exceed the capacities (the histograms saw the same keys); the
-    // bounds only make sure that nothing could ever write past them.
+    // bounds only make sure that nothing could ever write past them. The few logits taken
+    // are read again (from cache) rather than keeping every score in registers, which
+    // would halve the blocks resident per multiprocessor.
 #pragma unroll
     for (int n = 0; n < kItems; ++n) {
       if (!((above | boundary) >> n & 1u)) continue;
       const int64_t pos = item_position<VEC>(t.start, n / VEC) + n % VEC;
+      uint32_t bits;
+      passing_score<T>(p, to_float(level_logits[pos]), bits);
       if (above >> n & 1u) {
         if (a < p.topk[l]) {
-          level[a] = make_candidate(bits[n] + 1u, static_cast<uint32_t>(p.level_begin[l] + pos));
+          level[a] = make_candidate(bits + 1u, static_cast<uint32_t>(p.level_begin[l] + pos));
         }
         ++a;
       } else {
-        if (b < kBoundaryCap) bound[b] = ranking_key(p, l, bits[n], pos);
+        if (b < kBoundaryCap) bound[b] = ranking_key(p, l, bits, pos);
         ++b;
       }
     }
