@@ -153,6 +153,20 @@ def test_levels_devices_include_and_exclude_decide_what_runs():
     assert statuses(report) == {"level_two": "kept"}
 
 
+class Rewriter(Faster):
+    name = "rewriter"
+    rewrites_modules = True
+
+
+def test_passes_that_rewrite_modules_skip_torchscript_models():
+    scripted = torch.jit.script(nn.Linear(4, 3))
+    _, _, report = bladesmith.optimize(
+        scripted, device="cpu", test_data=[torch.randn(1, 4)], config=QUICK, passes=[Rewriter()]
+    )
+    (record,) = report.optimizations
+    assert record.status == "skipped" and "TorchScript" in record.reason
+
+
 def test_unknown_pass_names_in_config_are_an_error():
     with pytest.raises(ValueError, match="no pass named \\['nope'\\]"):
         run([Faster()], config=QUICK.replace(exclude=["nope"]))

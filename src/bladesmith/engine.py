@@ -264,6 +264,8 @@ def _skip_reason(each: Pass, candidate: Candidate, context: Context) -> str | No
         return f"not part of level {context.level} (it is in {levels}; or Config(include=...))"
     if context.device.type not in each.devices:
         return f"runs on {', '.join(each.devices)}; the device is {context.device.type}"
+    if each.rewrites_modules and isinstance(candidate.module, torch.jit.ScriptModule):
+        return "TorchScript modules cannot be rewritten; give optimize the nn.Module"
     return each.skip_reason(candidate, context)
 
 

@@ -111,11 +111,10 @@ class ChannelPadding(Pass):
     multiples of 8 out), so it pads no copy on every call."""
 
     name = "channel_padding"
+    rewrites_modules = True
     devices = ("cuda",)
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
-        if isinstance(candidate.module, torch.jit.ScriptModule):
-            return "TorchScript modules cannot be rewritten; give optimize the nn.Module"
         if next(_targets(candidate.module), None) is None:
             return "every convolution has channel counts cuDNN takes as they are"
         return None

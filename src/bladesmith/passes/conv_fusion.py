@@ -159,11 +159,10 @@ class ConvFusion(Pass):
     """Convolution + bias (+ shortcut) + ReLU as one cuDNN call, batch norms folded in."""
 
     name = "conv_fusion"
+    rewrites_modules = True
     devices = ("cuda",)
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
-        if isinstance(candidate.module, torch.jit.ScriptModule):
-            return "TorchScript modules cannot be rewritten; give optimize the nn.Module"
         if not torch.backends.cudnn.is_available():
             return "cuDNN is not available"
         module = candidate.module

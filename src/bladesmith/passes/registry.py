@@ -61,6 +61,9 @@ class Pass:
     # a pass that pays off only there (fp16 at batch 1, where eager launches dominate)
     # is judged by what it is worth in the end.
     finisher: ClassVar[bool] = False
+    # A pass that rewrites the module's layers; a TorchScript module cannot be rewritten,
+    # so the engine skips it there.
+    rewrites_modules: ClassVar[bool] = False
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         """Why this pass does not apply to ``candidate``, or None when it does."""

@@ -85,11 +85,10 @@ class Winograd(Pass):
     """3x3 stride-1 convolutions as Winograd F(4x4, 3x3), where timed faster (CPU)."""
 
     name = "winograd"
+    rewrites_modules = True
     devices = ("cpu",)
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
-        if isinstance(candidate.module, torch.jit.ScriptModule):
-            return "TorchScript modules cannot be rewritten; give optimize the nn.Module"
         if candidate.dtype != torch.float32:
             return "the Winograd operator computes in float32 only"
         if not any(eligible(m) for m in candidate.module.modules()):
