@@ -4,7 +4,7 @@ latency and the F1 of each, side by side, to see what the gate's choices cost.
     python benchmarks/bench_passes.py                                  # GPU, default combos
     python benchmarks/bench_passes.py --batches 32 --combos adapter,fp16,cuda_graph
     python benchmarks/bench_passes.py --device cpu --threads 2 --combos adapter,torchscript
-    python benchmarks/bench_passes.py --batches 1 --profile   # and each combo's kernels
+    python benchmarks/bench_passes.py --batches 1 --profile --top 30   # and each combo's kernels
 
 Each combo is a comma-separated list of pass names, applied in that order ("adapter"
 is short for retinanet_adapter). The model is the realistic-load RetinaNet R50-FPN of
