@@ -77,6 +77,7 @@ def test_registry_lists_builtin_passes_in_order_and_refuses_duplicates():
         "fp16",
         "bf16",
         "winograd",
+        "norm_folding",
         "channels_last",
         "conv_fusion",
         "channel_padding",
@@ -104,9 +105,8 @@ def test_registry_lists_builtin_passes_in_order_and_refuses_duplicates():
 
 def test_detector_keeps_torchvision_structure_and_detections(retinanet, photos, optimized_detector):
     optimized, spec, report, _ = optimized_detector
-    assert spec.passes == ("retinanet_adapter", "channels_last", "torchscript", "memoized"), [
-        (r.name, r.status, r.reason) for r in report.optimizations
-    ]
+    expected = ("retinanet_adapter", "norm_folding", "channels_last", "torchscript", "memoized")
+    assert spec.passes == expected, [(r.name, r.status, r.reason) for r in report.optimizations]
     assert spec.output == "detections" and spec.backend == "torchscript"
     assert optimized.candidate.runner_passes == ("torchscript", "memoized")
     assert spec.input_shapes == ((1, 3, *IMAGE_SIZE),)

@@ -30,6 +30,29 @@ def is_foldable_norm(module: nn.Module) -> bool:
     return isinstance(module, FrozenBatchNorm2d)
 
 
+def runs_in_order(parent: nn.Module) -> bool:
+    """A container whose forward runs its children one after the other."""
+    from torchvision.models._utils import IntermediateLayerGetter
+
+    return isinstance(parent, (nn.Sequential, IntermediateLayerGetter))
+
+
+def norm_after(parent: nn.Module, children: list[tuple[str, nn.Module]], position: int):
+    """The name of the foldable batch norm that ``parent``'s forward applies directly to
+    the output of ``children[position]``, where the structure says so: the next child of
+    a container that runs its children in order, or ``bnN`` after ``convN`` in
+    torchvision's ResNet blocks; else None."""
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    if runs_in_order(parent):
+        return norm_and_relu_after(children, position)[0]
+    name = children[position][0]
+    if isinstance(parent, (BasicBlock, Bottleneck)) and name.startswith("conv"):
+        norm = name.replace("conv", "bn")
+        return norm if is_foldable_norm(getattr(parent, norm, None)) else None
+    return None
+
+
 def norm_and_relu_after(
     children: list[tuple[str, nn.Module]], position: int
 ) -> tuple[str | None, str | None]:

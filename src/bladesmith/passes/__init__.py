@@ -11,6 +11,7 @@ from bladesmith.passes import retinanet_adapter  # noqa: F401
 from bladesmith.passes import head_packing  # noqa: F401
 from bladesmith.passes import precision  # noqa: F401
 from bladesmith.passes import winograd  # noqa: F401
+from bladesmith.passes import norm_folding  # noqa: F401
 from bladesmith.passes import channels_last  # noqa: F401
 from bladesmith.passes import conv_fusion  # noqa: F401
 from bladesmith.passes import channel_padding  # noqa: F401

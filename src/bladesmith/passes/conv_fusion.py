@@ -21,7 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bladesmith.models.convs import fold_norm, is_foldable_norm, norm_and_relu_after
+from bladesmith.models.convs import (
+    fold_norm,
+    is_foldable_norm,
+    norm_and_relu_after,
+    runs_in_order,
+)
 from bladesmith.ops.build import unavailable
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, register
@@ -109,16 +114,10 @@ def _fusable_block(block: nn.Module) -> bool:
     )
 
 
-def _runs_in_order(parent: nn.Module) -> bool:
-    from torchvision.models._utils import IntermediateLayerGetter
-
-    return isinstance(parent, (nn.Sequential, IntermediateLayerGetter))
-
-
 def _conv_relu_runs(parent: nn.Module) -> list[tuple[str, str | None, str]]:
     """(convolution, batch norm or None, ReLU): the children names of each convolution
     that a ReLU follows, directly or after a foldable batch norm, in ``parent``."""
-    if not _runs_in_order(parent):
+    if not runs_in_order(parent):
         return []
     children = list(parent.named_children())
     runs = []

@@ -30,9 +30,10 @@ from torch import nn
 
 from bladesmith.models.convs import (
     fold_norm,
-    is_foldable_norm,
     is_same_size_3x3,
+    norm_after,
     norm_and_relu_after,
+    runs_in_order,
 )
 from bladesmith.ops.build import unavailable
 from bladesmith.passes.candidate import Candidate
@@ -186,22 +187,16 @@ def _replace(module: nn.Module, chosen: dict[nn.Conv2d, set]) -> list[str]:
     """Swap each chosen convolution for a WinogradConv2d; returns the names swapped.
 
     What follows the convolution is folded into it where the structure says what
-    follows: in a Sequential, a batch norm and then a ReLU; in torchvision's ResNet
-    blocks, ``bnN`` after ``convN`` (their forward applies them in that order)."""
-    from torchvision.models.resnet import BasicBlock, Bottleneck
-
+    follows (``norm_after``): a batch norm, and in a container that runs its children in
+    order, a ReLU after it."""
     swapped = []
     for parent_name, parent in list(module.named_modules()):
         children = list(parent.named_children())
         for position, (name, conv) in enumerate(children):
             if conv not in chosen:
                 continue
-            norm = relu = None
-            if isinstance(parent, nn.Sequential):
-                norm, relu = norm_and_relu_after(children, position)
-            elif isinstance(parent, (BasicBlock, Bottleneck)):
-                bn = name.replace("conv", "bn")
-                norm = bn if is_foldable_norm(getattr(parent, bn, None)) else None
+            norm = norm_after(parent, children, position)
+            relu = norm_and_relu_after(children, position)[1] if runs_in_order(parent) else None
             weight, bias = fold_norm(conv, getattr(parent, norm) if norm else None)
             sizes = {shape[-2:] for shape in chosen[conv]}
             setattr(parent, name, WinogradConv2d(weight, bias, relu is not None, sizes))
