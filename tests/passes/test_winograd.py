@@ -8,28 +8,17 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.models.resnet import BasicBlock
 
-from bladesmith.config import Config
 from bladesmith.ops.build import unavailable
-from bladesmith.passes import Candidate, Context, PassSkipped, registry, winograd
+from bladesmith.passes import Candidate, PassSkipped, registry, winograd
 from bladesmith.passes.onnxruntime import OnnxRuntime
 from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
 from bladesmith.passes.torchscript import TorchScriptFreeze
 from bladesmith.passes.winograd import Winograd, WinogradConv2d
 from bladesmith.verify import compare_detections
-from engine_testing import randomize_norms
+from engine_testing import context_for, randomize_norms
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}")
 CPU = torch.device("cpu")
-
-
-def context_for(*test_args) -> Context:
-    return Context(
-        device=CPU,
-        level="o1",
-        config=Config(warmup=0, iters=2),
-        example_args=test_args[0],
-        test_args=list(test_args),
-    )
 
 
 @pytest.fixture
@@ -138,7 +127,9 @@ def test_only_the_sizes_where_the_operator_wins_are_switched(winograd_wins):
     winograd_wins({(8, 10)})
     conv = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1)).eval()
     small, large = torch.randn(1, 4, 8, 10), torch.randn(1, 4, 16, 20)
-    result = Winograd().apply(Candidate(module=conv, device=CPU), context_for((small,), (large,)))
+    context = context_for((small,))
+    context.test_args.append((large,))
+    result = Winograd().apply(Candidate(module=conv, device=CPU), context)
     assert result.module[0].sizes == {(8, 10)}
     with torch.no_grad():
         for x in (small, large):
