@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "message.h"
+
 namespace bladesmith {
 
 struct DecodeShape {
@@ -50,37 +52,38 @@ inline bool is_supported_float(at::ScalarType dtype) {
 }
 
 inline void check_rank(const at::Tensor& t, const char* name, int64_t rank, const char* layout) {
-  TORCH_CHECK_VALUE(t.dim() == rank, name, ": expected a ", rank, "-D tensor ", layout,
-                    ", got shape ", t.sizes());
+  BLADESMITH_CHECK_VALUE(t.dim() == rank, name, ": expected a ", rank, "-D tensor ", layout,
+                         ", got shape ", t.sizes());
 }
 
 inline void check_size(const at::Tensor& t, const char* name, int64_t dim, int64_t expected,
                        const char* meaning, const char* layout) {
-  TORCH_CHECK_VALUE(t.size(dim) == expected, name, ": expected size ", expected, " (", meaning,
-                    ") in dimension ", dim, " of ", layout, ", got shape ", t.sizes());
+  BLADESMITH_CHECK_VALUE(t.size(dim) == expected, name, ": expected size ", expected, " (", meaning,
+                         ") in dimension ", dim, " of ", layout, ", got shape ", t.sizes());
 }
 
 inline void check_float(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_TYPE(is_supported_float(t.scalar_type()), name,
-                   ": expected float32, float16 or bfloat16, got ", dtype_name(t.scalar_type()));
+  BLADESMITH_CHECK_TYPE(is_supported_float(t.scalar_type()), name,
+                        ": expected float32, float16 or bfloat16, got ",
+                        dtype_name(t.scalar_type()));
 }
 
 inline void check_same_dtype(const at::Tensor& t, const char* name, const at::Tensor& ref,
                              const char* ref_name) {
-  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), name, ": expected dtype ",
-                   dtype_name(ref.scalar_type()), " (the dtype of ", ref_name, "), got ",
-                   dtype_name(t.scalar_type()));
+  BLADESMITH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), name, ": expected dtype ",
+                        dtype_name(ref.scalar_type()), " (the dtype of ", ref_name, "), got ",
+                        dtype_name(t.scalar_type()));
 }
 
 inline void check_dtype(const at::Tensor& t, const char* name, at::ScalarType expected) {
-  TORCH_CHECK_TYPE(t.scalar_type() == expected, name, ": expected dtype ", dtype_name(expected),
-                   ", got ", dtype_name(t.scalar_type()));
+  BLADESMITH_CHECK_TYPE(t.scalar_type() == expected, name, ": expected dtype ",
+                        dtype_name(expected), ", got ", dtype_name(t.scalar_type()));
 }
 
 inline void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& ref,
                               const char* ref_name) {
-  TORCH_CHECK_VALUE(t.device() == ref.device(), name, ": expected device ", ref.device(),
-                    " (the device of ", ref_name, "), got ", t.device());
+  BLADESMITH_CHECK_VALUE(t.device() == ref.device(), name, ": expected device ", ref.device(),
+                         " (the device of ", ref_name, "), got ", t.device());
 }
 
 // sigmoid is monotonic: a score above `threshold` needs a logit above this bound, so only
@@ -113,9 +116,9 @@ inline DecodeShape check_decode_inputs(const at::Tensor& cls_logits, const at::T
   check_same_dtype(bbox_deltas, "bbox_deltas", cls_logits, "cls_logits");
   check_same_device(bbox_deltas, "bbox_deltas", cls_logits, "cls_logits");
 
-  TORCH_CHECK_VALUE(anchors.dim() == 2 || anchors.dim() == 3,
-                    "anchors: expected a 2-D tensor [N, 4] or a 3-D tensor [B, N, 4], got shape ",
-                    anchors.sizes());
+  BLADESMITH_CHECK_VALUE(anchors.dim() == 2 || anchors.dim() == 3,
+                         "anchors: expected a 2-D tensor [N, 4] or a 3-D tensor [B, N, 4], ",
+                         "got shape ", anchors.sizes());
   shape.per_image_anchors = anchors.dim() == 3;
   const char* anchors_layout = shape.per_image_anchors ? "[B, N, 4]" : "[N, 4]";
   const int64_t n_dim = shape.per_image_anchors ? 1 : 0;
@@ -133,16 +136,17 @@ inline DecodeShape check_decode_inputs(const at::Tensor& cls_logits, const at::T
   check_dtype(image_sizes, "image_sizes", at::kLong);
   check_same_device(image_sizes, "image_sizes", cls_logits, "cls_logits");
 
-  TORCH_CHECK_VALUE(!std::isnan(score_threshold), "score_threshold: expected a number, got nan");
-  TORCH_CHECK_VALUE(topk_candidates >= 0, "topk_candidates: expected a non-negative integer, got ",
-                    topk_candidates);
-  TORCH_CHECK_VALUE(weights.size() == 4, "weights: expected 4 values (wx, wy, ww, wh), got ",
-                    weights.size());
+  BLADESMITH_CHECK_VALUE(!std::isnan(score_threshold),
+                         "score_threshold: expected a number, got nan");
+  BLADESMITH_CHECK_VALUE(topk_candidates >= 0,
+                         "topk_candidates: expected a non-negative integer, got ", topk_candidates);
+  BLADESMITH_CHECK_VALUE(weights.size() == 4, "weights: expected 4 values (wx, wy, ww, wh), got ",
+                         weights.size());
   for (double w : weights) {
-    TORCH_CHECK_VALUE(std::isfinite(w) && w > 0, "weights: expected finite positive values, got ",
-                      weights);
+    BLADESMITH_CHECK_VALUE(std::isfinite(w) && w > 0,
+                           "weights: expected finite positive values, got ", weights);
   }
-  TORCH_CHECK_VALUE(!std::isnan(bbox_clip), "bbox_clip: expected a number, got nan");
+  BLADESMITH_CHECK_VALUE(!std::isnan(bbox_clip), "bbox_clip: expected a number, got nan");
 
   shape.level_offsets.reserve(level_sizes.size() + 1);
   shape.level_topk.reserve(level_sizes.size());
@@ -150,25 +154,25 @@ inline DecodeShape check_decode_inputs(const at::Tensor& cls_logits, const at::T
   shape.level_offsets.push_back(0);
   shape.slot_offsets.push_back(0);
   for (int64_t n : level_sizes) {
-    TORCH_CHECK_VALUE(n >= 0, "level_sizes: expected non-negative sizes, got ", level_sizes);
+    BLADESMITH_CHECK_VALUE(n >= 0, "level_sizes: expected non-negative sizes, got ", level_sizes);
     shape.level_offsets.push_back(shape.level_offsets.back() + n);
     const int64_t k = std::min(topk_candidates, n * shape.num_classes);
     shape.level_topk.push_back(k);
     shape.slot_offsets.push_back(shape.slot_offsets.back() + k);
   }
   shape.num_candidates = shape.slot_offsets.back();
-  TORCH_CHECK_VALUE(shape.level_offsets.back() == shape.num_anchors,
-                    "level_sizes: expected sizes that sum to N = ", shape.num_anchors,
-                    " (dimension 1 of cls_logits), got ", level_sizes, " (sum ",
-                    shape.level_offsets.back(), ")");
+  BLADESMITH_CHECK_VALUE(shape.level_offsets.back() == shape.num_anchors,
+                         "level_sizes: expected sizes that sum to N = ", shape.num_anchors,
+                         " (dimension 1 of cls_logits), got ", level_sizes, " (sum ",
+                         shape.level_offsets.back(), ")");
   return shape;
 }
 
 // The scalar arguments of NMS, checked on their own by kernels that fuse decode and NMS.
 inline void check_nms_arguments(double iou_threshold, int64_t max_detections) {
-  TORCH_CHECK_VALUE(!std::isnan(iou_threshold), "iou_threshold: expected a number, got nan");
-  TORCH_CHECK_VALUE(max_detections >= 0, "max_detections: expected a non-negative integer, got ",
-                    max_detections);
+  BLADESMITH_CHECK_VALUE(!std::isnan(iou_threshold), "iou_threshold: expected a number, got nan");
+  BLADESMITH_CHECK_VALUE(max_detections >= 0,
+                         "max_detections: expected a non-negative integer, got ", max_detections);
 }
 
 inline void check_nms_inputs(const at::Tensor& boxes, const at::Tensor& scores,

@@ -12,6 +12,8 @@
 #include <optional>
 #include <vector>
 
+#include "message.h"
+
 namespace bladesmith {
 namespace {
 
@@ -23,23 +25,23 @@ bool use_cudnn(const at::Tensor& x) {
 at::Tensor conv2d_relu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                        const std::optional<at::Tensor>& residual, at::IntArrayRef stride,
                        at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
-  TORCH_CHECK(x.dim() == 4 && weight.dim() == 4,
-              "conv2d_relu: expected 4-D x and weight, got shapes ", x.sizes(), " and ",
-              weight.sizes());
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && bias.scalar_type() == x.scalar_type(),
-              "conv2d_relu: x, weight and bias must share a dtype, got ", x.scalar_type(), ", ",
-              weight.scalar_type(), " and ", bias.scalar_type());
+  BLADESMITH_CHECK(x.dim() == 4 && weight.dim() == 4,
+                   "conv2d_relu: expected 4-D x and weight, got shapes ", x.sizes(), " and ",
+                   weight.sizes());
+  BLADESMITH_CHECK(x.scalar_type() == weight.scalar_type() && bias.scalar_type() == x.scalar_type(),
+                   "conv2d_relu: x, weight and bias must share a dtype, got ", x.scalar_type(),
+                   ", ", weight.scalar_type(), " and ", bias.scalar_type());
   if (residual.has_value()) {
     std::vector<int64_t> out{x.size(0), weight.size(0)};
     for (int64_t d = 0; d < 2; ++d) {
       const int64_t span = dilation[d] * (weight.size(d + 2) - 1) + 1;
       out.push_back((x.size(d + 2) + 2 * padding[d] - span) / stride[d] + 1);
     }
-    TORCH_CHECK(residual->sizes() == at::IntArrayRef(out), "conv2d_relu: residual has shape ",
-                residual->sizes(), ", the convolution's output ", at::IntArrayRef(out));
-    TORCH_CHECK(residual->scalar_type() == x.scalar_type(),
-                "conv2d_relu: residual must have x's dtype ", x.scalar_type(), ", got ",
-                residual->scalar_type());
+    BLADESMITH_CHECK(residual->sizes() == at::IntArrayRef(out), "conv2d_relu: residual has shape ",
+                     residual->sizes(), ", the convolution's output ", at::IntArrayRef(out));
+    BLADESMITH_CHECK(residual->scalar_type() == x.scalar_type(),
+                     "conv2d_relu: residual must have x's dtype ", x.scalar_type(), ", got ",
+                     residual->scalar_type());
   }
   const auto cl = at::MemoryFormat::ChannelsLast;
   const auto x_cl = x.contiguous(cl);

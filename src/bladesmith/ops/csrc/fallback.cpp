@@ -6,6 +6,8 @@
 
 #include <optional>
 
+#include "message.h"
+
 namespace bladesmith {
 namespace {
 
@@ -23,8 +25,8 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       device = tensor.device();
       device_of = arguments[i].name().c_str();
     }
-    TORCH_CHECK_VALUE(tensor.device() == *device, arguments[i].name(), ": expected device ",
-                      *device, " (the device of ", device_of, "), got ", tensor.device());
+    BLADESMITH_CHECK_VALUE(tensor.device() == *device, arguments[i].name(), ": expected device ",
+                           *device, " (the device of ", device_of, "), got ", tensor.device());
   }
   at::native::cpu_fallback(op, stack);
 }

@@ -27,6 +27,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "../message.h"
+
 namespace bladesmith {
 namespace {
 
@@ -241,22 +243,22 @@ void for_each_tile(int64_t images, int64_t rows, int64_t cols, const F& f) {
 
 at::Tensor conv3x3(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
                    bool relu) {
-  TORCH_CHECK_TYPE(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
-                       bias.scalar_type() == at::kFloat,
-                   "bladesmith_winograd::conv3x3 computes in float32, got ",
-                   input.scalar_type(), ", ", weight.scalar_type(), " and ",
-                   bias.scalar_type());
-  TORCH_CHECK_VALUE(input.dim() == 4, "bladesmith_winograd::conv3x3: expected a 4-D input "
-                    "[N, C, H, W], got shape ", input.sizes());
+  BLADESMITH_CHECK_TYPE(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                            bias.scalar_type() == at::kFloat,
+                        "bladesmith_winograd::conv3x3 computes in float32, got ",
+                        input.scalar_type(), ", ", weight.scalar_type(), " and ",
+                        bias.scalar_type());
+  BLADESMITH_CHECK_VALUE(input.dim() == 4, "bladesmith_winograd::conv3x3: expected a 4-D input "
+                         "[N, C, H, W], got shape ", input.sizes());
   const int64_t batch = input.size(0), channels = input.size(1);
   const int64_t height = input.size(2), width = input.size(3);
-  TORCH_CHECK_VALUE(weight.dim() == 4 && weight.size(1) == channels && weight.size(2) == 3 &&
-                        weight.size(3) == 3,
-                    "bladesmith_winograd::conv3x3: expected a weight [K, ", channels,
-                    ", 3, 3], got shape ", weight.sizes());
+  BLADESMITH_CHECK_VALUE(weight.dim() == 4 && weight.size(1) == channels && weight.size(2) == 3 &&
+                             weight.size(3) == 3,
+                         "bladesmith_winograd::conv3x3: expected a weight [K, ", channels,
+                         ", 3, 3], got shape ", weight.sizes());
   const int64_t out_channels = weight.size(0);
-  TORCH_CHECK_VALUE(bias.numel() == out_channels, "bladesmith_winograd::conv3x3: expected ",
-                    out_channels, " bias values, got ", bias.numel());
+  BLADESMITH_CHECK_VALUE(bias.numel() == out_channels, "bladesmith_winograd::conv3x3: expected ",
+                         out_channels, " bias values, got ", bias.numel());
   const int64_t rows = (height + kOut - 1) / kOut, cols = (width + kOut - 1) / kOut;
   const int64_t tiles = batch * rows * cols;
   const auto x = input.contiguous(at::MemoryFormat::ChannelsLast);

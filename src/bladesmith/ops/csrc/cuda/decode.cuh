@@ -12,15 +12,11 @@ namespace gpu {
 // What the CUDA kernels take beyond check_decode_inputs: their per-level tables are fixed
 // arrays. Checked with the other inputs, before anything is allocated or launched.
 inline void check_cuda_decode_shape(const DecodeShape& shape) {
-  // Copied: the message takes its arguments by reference, and a reference to a
-  // namespace-scope constexpr from nvcc-compiled host code is suspected of the segfault
-  // this check's failure caused on the GPU machine.
-  const int max_levels = kMaxLevels;
-  TORCH_CHECK_VALUE(shape.level_topk.size() <= kMaxLevels, "level_sizes: the CUDA kernels take at ",
-                    "most ", max_levels, " levels, got ", shape.level_topk.size());
-  TORCH_CHECK_VALUE(shape.num_anchors * shape.num_classes < (int64_t{1} << 31),
-                    "cls_logits: the CUDA kernels take fewer than 2^31 logits per image (N * C), "
-                    "got ", shape.num_anchors * shape.num_classes);
+  BLADESMITH_CHECK_VALUE(shape.level_topk.size() <= kMaxLevels, "level_sizes: the CUDA kernels ",
+                         "take at most ", kMaxLevels, " levels, got ", shape.level_topk.size());
+  BLADESMITH_CHECK_VALUE(shape.num_anchors * shape.num_classes < (int64_t{1} << 31),
+                         "cls_logits: the CUDA kernels take fewer than 2^31 logits per image ",
+                         "(N * C), got ", shape.num_anchors * shape.num_classes);
 }
 
 template <typename T>

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <limits>
 
+#include "../message.h"
 #include "common.cuh"
 
 namespace bladesmith {
@@ -63,8 +64,8 @@ struct NmsTensors {
         spill(at::empty({batch * std::max<int64_t>(max_detections - kKeptCache, 0) *
                          static_cast<int64_t>(sizeof(KeptNode))},
                         options.dtype(at::kByte))) {
-    TORCH_CHECK_VALUE(max_detections < (int64_t{1} << 31), "max_detections: the CUDA kernels "
-                      "keep fewer than 2^31 detections per image, got ", max_detections);
+    BLADESMITH_CHECK_VALUE(max_detections < (int64_t{1} << 31), "max_detections: the CUDA kernels "
+                           "keep fewer than 2^31 detections per image, got ", max_detections);
   }
 
   NmsOutput<T> view() {

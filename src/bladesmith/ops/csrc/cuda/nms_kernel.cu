@@ -49,8 +49,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batched_nms_cuda(
   check_nms_inputs(boxes, scores, labels, iou_threshold, max_detections);
   const c10::cuda::CUDAGuard guard(boxes.device());
   const int64_t B = boxes.size(0), K = boxes.size(1);
-  TORCH_CHECK_VALUE(K < (int64_t{1} << 31),
-                    "boxes: the CUDA kernels take fewer than 2^31 boxes per image, got ", K);
+  BLADESMITH_CHECK_VALUE(K < (int64_t{1} << 31),
+                         "boxes: the CUDA kernels take fewer than 2^31 boxes per image, got ", K);
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> outputs;
   BLADESMITH_DISPATCH_FLOAT(boxes.scalar_type(), "batched_nms_cuda", [&] {
     NmsTensors<scalar_t> result(B, max_detections, boxes.options());

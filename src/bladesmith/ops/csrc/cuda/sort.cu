@@ -11,6 +11,7 @@
 #include <cub/block/block_merge_sort.cuh>
 #include <cub/device/device_segmented_radix_sort.cuh>
 
+#include "../message.h"
 #include "sort.cuh"
 
 namespace bladesmith {
@@ -135,8 +136,8 @@ __global__ void segment_offsets_kernel(Segments s, int* begins, int* ends) {
 }
 
 at::Tensor radix_sort(const at::Tensor& keys, const Segments& s) {
-  TORCH_CHECK_VALUE(keys.numel() < (int64_t{1} << 31), "the CUDA kernels sort fewer than 2^31 ",
-                    "candidates in all, got ", keys.numel());
+  BLADESMITH_CHECK_VALUE(keys.numel() < (int64_t{1} << 31), "the CUDA kernels sort fewer than ",
+                         "2^31 candidates in all, got ", keys.numel());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int num_segments = static_cast<int>(s.groups * s.parts);
   auto offsets = at::empty({2, num_segments}, keys.options().dtype(at::kInt));
@@ -170,9 +171,8 @@ Segments per_image(int64_t groups, int64_t slots) {
 }
 
 Segments per_level(int64_t groups, const std::vector<int64_t>& slot_offsets) {
-  const int max_levels = kMaxLevels;  // by value: see check_cuda_decode_shape
-  TORCH_CHECK_VALUE(slot_offsets.size() <= kMaxLevels + 1, "level_sizes: the CUDA kernels take ",
-                    "at most ", max_levels, " levels, got ", slot_offsets.size() - 1);
+  BLADESMITH_CHECK_VALUE(slot_offsets.size() <= kMaxLevels + 1, "level_sizes: the CUDA kernels ",
+                         "take at most ", kMaxLevels, " levels, got ", slot_offsets.size() - 1);
   Segments s;
   s.groups = groups;
   s.group_stride = slot_offsets.back();
