@@ -85,12 +85,23 @@ __device__ __forceinline__ float box_area(float4 b) {
   return __fmul_rn(__fsub_rn(b.z, b.x), __fsub_rn(b.w, b.y));
 }
 
-// torchvision's nms_kernel arithmetic: intersection over (area_a + area_b - intersection).
-__device__ __forceinline__ float iou(float4 a, float area_a, float4 b, float area_b) {
+// iou(a, b) > t in torchvision's nms_kernel arithmetic: intersection over (area_a + area_b -
+// intersection), rounded, against t. The division (a long dependent chain) is done only when
+// the quotient may lie near t: otherwise comparing the intersection with t * union, widened
+// by 2^-20 either way, decides, as it covers the roundings of the quotient and of both
+// products (2^-24 each). The bounds on t and on the union keep those products normal.
+__device__ __forceinline__ bool iou_above(float4 a, float area_a, float4 b, float area_b,
+                                          float t) {
   const float w = std_max(0.0f, __fsub_rn(std_min(a.z, b.z), std_max(a.x, b.x)));
   const float h = std_max(0.0f, __fsub_rn(std_min(a.w, b.w), std_max(a.y, b.y)));
   const float inter = __fmul_rn(w, h);
-  return __fdiv_rn(inter, __fsub_rn(__fadd_rn(area_a, area_b), inter));
+  const float uni = __fsub_rn(__fadd_rn(area_a, area_b), inter);
+  if (t >= 0x1p-40f && t <= 1.0f && uni >= 0x1p-80f && uni <= 0x1.fffffep127f) {
+    const float bound = __fmul_rn(t, uni);
+    if (inter > __fmul_rn(bound, 1.0f + 0x1p-20f)) return true;
+    if (inter < __fmul_rn(bound, 1.0f - 0x1p-20f)) return false;
+  }
+  return __fdiv_rn(inter, uni) > t;
 }
 
 // Candidates travel between kernels as one 64-bit key: a 32-bit score key above the complement

@@ -1,11 +1,12 @@
 // Greedy class-aware NMS over candidates sorted by descending key, one block per image, as
 // cpu/nms_kernel.cpp defines it, stopping as soon as max_detections are kept.
 //
-// Candidates come 256 at a time and are resolved 64 at a time (one 64-bit mask word):
-//  1. in parallel, each candidate is tested against the detections kept so far of its label
-//     (kept detections are listed per label bucket, each bucket split four ways so that the
-//     four threads of a candidate walk four short lists), and a 64x64 IoU bitmask of the
-//     group is built (upper triangle, same label only);
+// Candidates come 512 at a time and are resolved 64 at a time (one 64-bit mask word):
+//  1. in parallel, each candidate is tested against the detections kept so far (eight
+//     threads per candidate, each scanning every eighth one: independent loads from shared
+//     memory, where linked lists per label made each step wait for the last; on the model's
+//     own batch-1 candidates, 192 -> 159 us for decode and NMS on the H200), and a 64x64 IoU
+//     bitmask of the group is built (upper triangle, same label only);
 //  2. one warp resolves the group greedily. Only candidates whose row suppresses someone
 //     need a serial step; every other survivor is simply kept. The serial work is therefore
 //     the number of overlapping same-class pairs, not the number of detections.
@@ -27,18 +28,18 @@
 namespace bladesmith {
 namespace gpu {
 
-constexpr int kNmsThreads = 256;
+constexpr int kNmsThreads = 512;
 constexpr int kNmsGroup = 64;  // one 64-bit mask word
 constexpr int kNmsParts = kNmsThreads / kNmsGroup;
-constexpr int kKeptCache = 1024;  // kept detections held in shared memory; the rest in global
-constexpr int kLabelBuckets = 128;
+constexpr int kRowBits = kNmsGroup / kNmsParts;  // the bits of a group's row one part tests
+constexpr int kKeptCache = 1024;  // kept detections in shared memory (46 of its 48 KB in all)
+constexpr int kScanUnroll = 4;    // kept detections one thread tests per step of its scan
 
-// A kept detection, linked into the list of its label bucket and part.
+// A kept detection past kKeptCache.
 struct alignas(16) KeptNode {
   float4 box;
   int64_t label;
   float area;
-  int next;  // position of the next node of the list, -1 at its end
 };
 
 template <typename T>
@@ -86,13 +87,8 @@ inline float float_threshold(double t) {
 __device__ __forceinline__ uint64_t assemble_row(const uint16_t (&parts)[kNmsParts]) {
   uint64_t row = 0;
 #pragma unroll
-  for (int p = 0; p < kNmsParts; ++p) row |= static_cast<uint64_t>(parts[p]) << (16 * p);
+  for (int p = 0; p < kNmsParts; ++p) row |= static_cast<uint64_t>(parts[p]) << (kRowBits * p);
   return row;
-}
-
-// The list a kept detection of this label and part joins (kNmsParts lists per bucket).
-__device__ __forceinline__ int kept_list(int64_t label, int part) {
-  return static_cast<int>(static_cast<uint64_t>(label) % kLabelBuckets) * kNmsParts + part;
 }
 
 // The first n set bits of mask (n < popcount(mask)).
@@ -106,8 +102,9 @@ template <typename T, typename Source>
 __global__ void __launch_bounds__(kNmsThreads)
     nms_kernel(Source src, const uint64_t* __restrict__ sorted, int64_t num_slots,
                float iou_threshold, NmsOutput<T> out, KeptNode* __restrict__ spill) {
-  __shared__ KeptNode kept_nodes[kKeptCache];
-  __shared__ int list_head[kLabelBuckets * kNmsParts];
+  __shared__ float4 kept_box[kKeptCache];
+  __shared__ int64_t kept_label[kKeptCache];
+  __shared__ float kept_area[kKeptCache];
   __shared__ float4 cand_box[kNmsThreads];
   __shared__ float cand_area[kNmsThreads];
   __shared__ float cand_score[kNmsThreads];
@@ -122,10 +119,6 @@ __global__ void __launch_bounds__(kNmsThreads)
   T* scores = out.scores + b * D;
   int64_t* labels = out.labels + b * D;
   KeptNode* spilled = spill + b * max(D - kKeptCache, int64_t{0});
-  const auto node = [&](int pos) -> KeptNode& {
-    return pos < kKeptCache ? kept_nodes[pos] : spilled[pos - kKeptCache];
-  };
-  for (int i = tid; i < kLabelBuckets * kNmsParts; i += kNmsThreads) list_head[i] = -1;
 
   int64_t kept = 0;
   for (int64_t start = 0; start < num_slots && kept < D; start += kNmsThreads) {
@@ -151,18 +144,26 @@ __global__ void __launch_bounds__(kNmsThreads)
         const float4 mb = cand_box[me];
         const float ma = cand_area[me];
         const int64_t ml = cand_label[me];
-        // Suppressed by a detection kept before this group? Each part walks one list.
-        for (int pos = list_head[kept_list(ml, part)]; pos >= 0 && !dead;) {
-          const KeptNode& k = node(pos);
-          dead = k.label == ml && iou(k.box, k.area, mb, ma) > iou_threshold;
-          pos = k.next;
+        // Suppressed by a detection kept before this group? Part p tests p, p + kNmsParts, ...
+        const int cached = static_cast<int>(min(kept, int64_t{kKeptCache}));
+        for (int pos = part; pos < cached && !dead; pos += kNmsParts * kScanUnroll) {
+#pragma unroll
+          for (int u = 0; u < kScanUnroll; ++u) {
+            const int k = pos + u * kNmsParts;
+            dead = dead || (k < cached && kept_label[k] == ml &&
+                            iou_above(kept_box[k], kept_area[k], mb, ma, iou_threshold));
+          }
+        }
+        for (int64_t pos = kKeptCache + part; pos < kept && !dead; pos += kNmsParts) {
+          const KeptNode& k = spilled[pos - kKeptCache];
+          dead = k.label == ml && iou_above(k.box, k.area, mb, ma, iou_threshold);
         }
 #pragma unroll 4
-        for (int q = 0; q < kNmsGroup / kNmsParts; ++q) {
-          const int j = part * (kNmsGroup / kNmsParts) + q;
+        for (int q = 0; q < kRowBits; ++q) {
+          const int j = part * kRowBits + q;
           const int other = g * kNmsGroup + j;
           if (j > c && other < valid && cand_label[other] == ml &&
-              iou(mb, ma, cand_box[other], cand_area[other]) > iou_threshold) {
+              iou_above(mb, ma, cand_box[other], cand_area[other], iou_threshold)) {
             row |= 1u << q;
           }
         }
@@ -209,11 +210,13 @@ __global__ void __launch_bounds__(kNmsThreads)
           boxes[pos * int64_t{4} + 3] = from_float<T>(kb.w);
           scores[pos] = from_float<T>(cand_score[slot]);
           labels[pos] = kl;
-          KeptNode& k = node(pos);
-          k.box = kb;
-          k.label = kl;
-          k.area = cand_area[slot];
-          k.next = atomicExch(&list_head[kept_list(kl, pos % kNmsParts)], pos);
+          if (pos < kKeptCache) {
+            kept_box[pos] = kb;
+            kept_label[pos] = kl;
+            kept_area[pos] = cand_area[slot];
+          } else {
+            spilled[pos - kKeptCache] = KeptNode{kb, kl, cand_area[slot]};
+          }
         }
         if (lane == 0) s_kept = kept + __popcll(keep);
       }
