@@ -1,0 +1,213 @@
+"""Where batch 1's time goes on the GPU, for one combination of passes (no accuracy gate):
+
+    python benchmarks/probe_batch1.py retinanet_adapter,head_packing,fp16,channels_last,inductor
+
+1. each kernel's device time with the op and input shapes that launched it (compiled, no
+   CUDA graph), into $OUT/kernels_by_op.txt (the top 25 printed);
+2. the kernels of one CUDA graph replay in order, into $OUT/graph_sequence.txt;
+3. what the call costs around the graph: replay alone back to back, with a host
+   synchronisation, with the input copy, through the runner, padded and as a list;
+4. retinanet_postprocess alone on this model's own candidates, at batch 1 and the same
+   candidates repeated to batch 32, as CUDA graph replays.
+"""
+
+import os
+import sys
+import time
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from bladesmith.artifact import OptimizedModule
+from bladesmith.bench import measure
+from bladesmith.config import Config
+from bladesmith.models.images import sample_images
+from bladesmith.models.retinanet import build_retinanet
+from bladesmith.passes import Candidate, Context
+from bladesmith.passes.cuda_graph import CudaGraphRunner
+from bladesmith.passes.registry import create_all
+
+OUT = os.environ.get("OUT", "/tmp")
+dev = torch.device("cuda")
+model = build_retinanet((480, 640)).to(dev).eval()
+images = list(sample_images(1, (480, 640), device=dev))
+batch = images[0].unsqueeze(0)
+passes = {p.name: p for p in create_all()}
+ctx = Context(
+    device=dev, level="o1", config=Config(), example_args=(images,), test_args=[(images,)]
+)
+cand = Candidate(module=model, device=dev)
+for n in sys.argv[1].split(","):
+    cand = passes[n].apply(cand, ctx)
+    ctx.kept.append(n)
+print("notes:", ctx.notes, flush=True)
+
+pipe = cand.module
+while not hasattr(pipe, "head_outputs"):
+    pipe = pipe.module
+with torch.no_grad():
+    cls, deltas = pipe.head_outputs(batch.half(), torch.float32)
+
+
+def op_of(evt):
+    e = evt
+    while e is not None and not (e.name.startswith("aten::") or e.name.startswith("bladesmith::")):
+        e = e.cpu_parent
+    return e
+
+
+# 1. kernels by launching op and shapes (compiled, no graph)
+with torch.no_grad():
+    for _ in range(3):
+        cand(batch)
+    torch.cuda.synchronize()
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True
+    ) as prof:
+        for _ in range(5):
+            cand(batch)
+        torch.cuda.synchronize()
+rows = {}
+for evt in prof.events():
+    for k in evt.kernels:
+        op = op_of(evt)
+        key = (k.name[:70], op.name if op else "-", str(op.input_shapes)[:160] if op else "")
+        rows[key] = rows.get(key, 0.0) + k.duration / 5
+total = sum(rows.values())
+print(f"no-graph kernels: {total:.1f} us/call")
+with open(f"{OUT}/kernels_by_op.txt", "w") as f:
+    for (kn, opn, shapes), us in sorted(rows.items(), key=lambda r: -r[1]):
+        f.write(f"{us:8.1f}  {kn}  | {opn} {shapes}\n")
+for (kn, opn, shapes), us in sorted(rows.items(), key=lambda r: -r[1])[:25]:
+    print(f"{us:8.1f}  {kn[:50]}  | {opn} {shapes[:110]}")
+
+# 2. graph: ordered kernels of one replay
+runner = CudaGraphRunner(cand, dev)
+runner(batch)
+entry = next(iter(runner.graphs.values()))
+with torch.no_grad():
+    for _ in range(5):
+        entry.graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof2:
+        entry.graph.replay()
+        torch.cuda.synchronize()
+dev_events = sorted(
+    (e for e in prof2.events() if e.device_type == DeviceType.CUDA),
+    key=lambda e: e.time_range.start,
+)
+with open(f"{OUT}/graph_sequence.txt", "w") as f:
+    t0 = dev_events[0].time_range.start if dev_events else 0
+    for e in dev_events:
+        f.write(
+            f"{e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():8.1f}  {e.name[:120]}\n"
+        )
+print(
+    f"graph: {len(dev_events)} kernels, span "
+    f"{dev_events[-1].time_range.end - dev_events[0].time_range.start:.1f} us, "
+    f"busy {sum(e.time_range.elapsed_us() for e in dev_events):.1f} us",
+    flush=True,
+)
+
+
+# 3. call overheads
+def t(name, fn, arg, iters=300):
+    r = measure(fn, (arg,), warmup=50, iters=iters, device=dev, batch_size=1)
+    print(f"{name:<44} mean {r.mean_ms * 1e3:8.1f} us  p50 {r.p50_ms * 1e3:8.1f} us", flush=True)
+    return r
+
+
+cand_g = cand.with_runner(runner, "cuda_graph", wraps=True)
+mod = OptimizedModule.from_candidate(cand_g)
+padded = mod.as_padded()
+
+
+def replay_only(_):
+    entry.graph.replay()
+
+
+def replay_sync(_):
+    entry.graph.replay()
+    torch.cuda.current_stream().synchronize()
+
+
+def copy_replay_sync(x):
+    entry.static_inputs[0].copy_(x)
+    entry.graph.replay()
+    torch.cuda.current_stream().synchronize()
+
+
+def runner_sync(x):
+    runner(x)
+    torch.cuda.current_stream().synchronize()
+
+
+def raw_list(x):
+    entry.static_inputs[0].copy_(x)
+    entry.graph.replay()
+    boxes, scores, labels, n = (o.clone() for o in entry.static_outputs)
+    return [
+        {"boxes": boxes[i, :c], "scores": scores[i, :c], "labels": labels[i, :c]}
+        for i, c in enumerate(n.tolist())
+    ]
+
+
+with torch.no_grad():
+    t("replay only (back to back)", replay_only, batch)
+    t("replay + sync", replay_sync, batch)
+    t("copy + replay + sync", copy_replay_sync, batch)
+    t("runner + sync", runner_sync, batch)
+    t("padded module (back to back)", padded, images)
+    t("raw list (copy, replay, 4 clones, tolist)", raw_list, batch)
+    t("list module", mod, images)
+    t("list module again", mod, images)
+    t("padded module again", padded, images)
+    # host time of one list call
+    for _ in range(20):
+        mod(images)
+    torch.cuda.synchronize()
+    s = time.perf_counter()
+    for _ in range(200):
+        mod(images)
+    print(f"list module host loop: {(time.perf_counter() - s) / 200 * 1e6:.1f} us/call")
+
+
+# 4. post-processing alone on this model's candidates
+for B in (1, 32):
+    cls_b = cls.expand(B, -1, -1).contiguous()
+    deltas_b = deltas.expand(B, -1, -1).contiguous()
+    sizes = pipe.resized_hw.expand(B, 2).contiguous()
+
+    def postprocess(cls_b=cls_b, deltas_b=deltas_b, sizes=sizes):
+        return torch.ops.bladesmith.retinanet_postprocess(
+            cls_b,
+            deltas_b,
+            pipe.anchors,
+            pipe.level_sizes,
+            sizes,
+            pipe.score_threshold,
+            pipe.topk_candidates,
+            pipe.iou_threshold,
+            pipe.max_detections,
+            pipe.box_weights,
+            pipe.bbox_clip,
+        )
+
+    for _ in range(3):
+        postprocess()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kept = postprocess()[3]
+    for _ in range(20):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(200):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    print(
+        f"postprocess on this model's candidates, batch {B}: "
+        f"{start.elapsed_time(end) / 200 * 1e3:.1f} us; kept {kept.tolist()[:4]}"
+    )
