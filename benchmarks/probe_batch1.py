@@ -8,7 +8,7 @@
 3. what the call costs around the graph: replay alone back to back, with a host
    synchronisation, with the input copy, through the runner, padded and as a list;
 4. retinanet_postprocess alone on this model's own candidates, at batch 1 and the same
-   candidates repeated to batch 32, as CUDA graph replays.
+   candidates repeated to batch 32, as CUDA graph replays (bench_postprocess's graphed).
 """
 
 import os
@@ -19,6 +19,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from bench_postprocess import graphed
 from bladesmith.artifact import OptimizedModule
 from bladesmith.bench import measure
 from bladesmith.config import Config
@@ -194,20 +195,8 @@ for B in (1, 32):
             pipe.bbox_clip,
         )
 
-    for _ in range(3):
-        postprocess()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kept = postprocess()[3]
-    for _ in range(20):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(200):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    print(
-        f"postprocess on this model's candidates, batch {B}: "
-        f"{start.elapsed_time(end) / 200 * 1e3:.1f} us; kept {kept.tolist()[:4]}"
-    )
+    replay = graphed([postprocess])
+    with torch.no_grad():
+        name = f"postprocess on this model's candidates, batch {B}"
+        t(name, lambda _, replay=replay: replay(), None)
+    print(f"  kept {postprocess()[3].tolist()[:4]}")
