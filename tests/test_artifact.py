@@ -132,3 +132,13 @@ def test_save_and_load_errors_say_what_is_wrong(tmp_path):
     loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt"))
     with pytest.raises(BladesmithError, match="module returned by bladesmith.optimize"):
         bladesmith.save(loaded, tmp_path / "again.pt")
+
+
+def test_inputs_count_as_on_the_device_only_when_every_tensor_is():
+    from bladesmith.artifact import _all_on
+
+    cpu, meta = torch.zeros(1), torch.zeros(1, device="meta")
+    home = torch.device("cpu")
+    assert _all_on(home, ([cpu, cpu], {"x": cpu, "k": 3}, "text"))
+    assert not _all_on(home, ([cpu, meta],))
+    assert not _all_on(home, ({"nested": (cpu, {"deep": meta})},))

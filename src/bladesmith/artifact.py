@@ -63,6 +63,10 @@ class OptimizedModule(nn.Module):
         super().__init__()
         self._run = run
         self.device = torch.device(device)
+        # The device with its index ("cuda" is the current GPU's), as tensors report it.
+        self._home = self.device
+        if self.device == torch.device("cuda") and torch.cuda.is_available():
+            self._home = torch.device("cuda", torch.cuda.current_device())
         self.padded_detections = padded_detections
         self.output = output
         self.spec = spec
@@ -103,7 +107,8 @@ class OptimizedModule(nn.Module):
         )
 
     def forward(self, *args, **kwargs):
-        args, kwargs = pytree.tree_map(self._to_device, (args, kwargs))
+        if not _all_on(self._home, (args, kwargs)):
+            args, kwargs = pytree.tree_map(self._to_device, (args, kwargs))
         with torch.no_grad():
             if not self.padded_detections:
                 return self._run(*args, **kwargs)
@@ -129,6 +134,18 @@ class OptimizedModule(nn.Module):
     def extra_repr(self) -> str:
         backend = self.spec.backend if self.spec else "loaded"
         return f"device={self.device}, backend={backend}, output={self.output}"
+
+
+def _all_on(device: torch.device, tree) -> bool:
+    """Whether every tensor in the nested lists, tuples and dicts ``tree`` is on ``device``
+    already: the usual case, checked without pytree's cost on every call."""
+    if isinstance(tree, torch.Tensor):
+        return tree.device == device
+    if isinstance(tree, (list, tuple)):
+        return all(_all_on(device, value) for value in tree)
+    if isinstance(tree, dict):
+        return all(_all_on(device, value) for value in tree.values())
+    return True
 
 
 def save(optimized: OptimizedModule, path: str | os.PathLike, *, inductor_configs=None) -> Path:

@@ -270,14 +270,16 @@ class DetectionsAsList(nn.Module):
                     f"for), got sizes {sorted(shapes)}"
                 )
         boxes, scores, labels, num_detections = self.padded(as_batch(images))
+        # Converted before the host waits for the counts, while the device still works.
+        boxes, scores = _as_float32(boxes), _as_float32(scores)
         return [
-            {
-                "boxes": boxes[i, :n].float(),
-                "scores": scores[i, :n].float(),
-                "labels": labels[i, :n],
-            }
+            {"boxes": boxes[i, :n], "scores": scores[i, :n], "labels": labels[i, :n]}
             for i, n in enumerate(num_detections.tolist())
         ]
+
+
+def _as_float32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
 
 
 def level_outputs(head: nn.Module, features: list[torch.Tensor]):

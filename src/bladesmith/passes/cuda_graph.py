@@ -29,11 +29,65 @@ def _cudnn_benchmark():
         torch.backends.cudnn.benchmark = previous
 
 
+# Outputs up to this size are packed into one buffer inside the graph, so that a call
+# returns them with one copy kernel instead of one per output: for small outputs (a
+# detector's padded detections) the launches cost more than the bytes.
+_PACK_LIMIT_BYTES = 1 << 20
+
+
+class _PackedOutputs:
+    """The graph's tensor outputs, concatenated as bytes into one buffer by the graph.
+
+    Tensors are packed in order of decreasing element size, so that each one's offset is
+    a multiple of its element size and the copy can be viewed back with its dtype.
+    """
+
+    def __init__(self, outputs):
+        leaves, self.spec = pytree.tree_flatten(outputs)
+        self.leaves = leaves
+        tensors = sorted(
+            (i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)),
+            key=lambda i: -leaves[i].element_size(),
+        )
+        self.slots = []  # (leaf index, first byte, last byte + 1, dtype, shape)
+        offset = 0
+        for i in tensors:
+            tensor = leaves[i]
+            end = offset + tensor.numel() * tensor.element_size()
+            self.slots.append((i, offset, end, tensor.dtype, tensor.shape))
+            offset = end
+        self.buffer = torch.cat([leaves[i].reshape(-1).view(torch.uint8) for i in tensors])
+
+    @staticmethod
+    def packable(outputs) -> bool:
+        tensors = [leaf for leaf in pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
+        return (
+            len(tensors) > 1
+            and len({t.device for t in tensors}) == 1
+            and all(t.is_contiguous() for t in tensors)
+            and sum(t.numel() * t.element_size() for t in tensors) <= _PACK_LIMIT_BYTES
+        )
+
+    def copy(self):
+        """The outputs, in one new buffer of their own."""
+        buffer = self.buffer.clone()
+        leaves = list(self.leaves)
+        for i, start, end, dtype, shape in self.slots:
+            leaves[i] = buffer[start:end].view(dtype).view(shape)
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
 class _Graph:
-    def __init__(self, graph, static_inputs, static_outputs):
+    def __init__(self, graph, static_inputs, static_outputs, packed):
         self.graph = graph
         self.static_inputs = static_inputs
         self.static_outputs = static_outputs
+        self.packed = packed  # _PackedOutputs, or None: outputs are cloned one by one
+
+    def outputs(self):
+        if self.packed is not None:
+            return self.packed.copy()
+        return pytree.tree_map(_clone, self.static_outputs)
 
 
 class CudaGraphRunner:
@@ -41,7 +95,7 @@ class CudaGraphRunner:
     dtypes and devices of the tensors, and the values of everything else).
 
     Each call copies its tensors into the graph's static input buffers, replays, and
-    returns clones of the static outputs, so results stay valid after the next call.
+    returns copies of the static outputs, so results stay valid after the next call.
     ``fn`` must do no host synchronisation and keep no state between calls.
     """
 
@@ -50,21 +104,27 @@ class CudaGraphRunner:
         self.device = device
         self.graphs: dict = {}
 
-    @torch.no_grad()
     def __call__(self, *args, **kwargs):
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        # str(spec): TreeSpec is hashable only in newer torch releases.
-        key = (str(spec), tuple(_signature(leaf) for leaf in leaves))
+        # Every microsecond here delays the graph's start: one tensor, the usual call,
+        # skips the flattening of the arguments.
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            leaves, key = args, (_ONE_TENSOR, _signature(args[0]))
+        else:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            # str(spec): TreeSpec is hashable only in newer torch releases.
+            key = (str(spec), tuple(_signature(leaf) for leaf in leaves))
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = self._capture(leaves, spec)
+            with torch.no_grad():
+                entry = self.graphs[key] = self._capture(args, kwargs)
         for static, leaf in zip(entry.static_inputs, leaves):
             if static is not None:
-                static.copy_(leaf)
+                static.copy_(leaf.detach() if leaf.requires_grad else leaf)
         entry.graph.replay()
-        return pytree.tree_map(_clone, entry.static_outputs)
+        return entry.outputs()
 
-    def _capture(self, leaves, spec) -> _Graph:
+    def _capture(self, args, kwargs) -> _Graph:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
         static_inputs = [
             leaf.detach().clone() if isinstance(leaf, torch.Tensor) else None for leaf in leaves
         ]
@@ -80,7 +140,15 @@ class CudaGraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 static_outputs = self.fn(*args, **kwargs)
-        return _Graph(graph, static_inputs, static_outputs)
+                packed = (
+                    _PackedOutputs(static_outputs)
+                    if _PackedOutputs.packable(static_outputs)
+                    else None
+                )
+        return _Graph(graph, static_inputs, static_outputs, packed)
+
+
+_ONE_TENSOR = "one tensor"
 
 
 def _clone(value):
