@@ -357,9 +357,10 @@ def test_nms_large(num_boxes):
 
 
 def test_nms_suppression_by_detections_past_the_kept_cache():
-    # 2000 distinct boxes, each followed later by a lower-scoring copy that only its
-    # original suppresses: most originals are kept beyond the 1024 cached in shared memory.
-    boxes, scores, labels = make_nms_inputs(19, 2, 2000, 50)
+    # 2000 distinct boxes of one label, each followed later by a lower-scoring copy that
+    # only its original suppresses: most originals are kept beyond the 512 that a block
+    # caches in shared memory.
+    boxes, scores, labels = make_nms_inputs(19, 2, 2000, 1)
     boxes = torch.cat([boxes, boxes], 1)
     scores = torch.cat([scores, scores / 2], 1)
     labels = torch.cat([labels, labels], 1)
@@ -369,8 +370,9 @@ def test_nms_suppression_by_detections_past_the_kept_cache():
 
 
 def test_nms_labels_sharing_a_bucket():
-    # Kept detections are listed per label bucket (label mod 128): labels that share a
-    # bucket, and one label throughout (the longest lists), must not mix.
+    # Labels are split into buckets (label mod the bucket count, at most 64), one block
+    # each: labels that share a bucket (multiples of 128 always do), and one label
+    # throughout (the longest lists), must not mix.
     boxes, scores, labels = make_nms_inputs(23, 3, 3000, 3)
     labels = labels.where(labels < 0, labels * 128 + (1 << 40) * (labels == 2))
     labels[1] = labels[1].clamp(max=0)

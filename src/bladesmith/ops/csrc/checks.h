@@ -88,13 +88,28 @@ inline void check_same_device(const at::Tensor& t, const char* name, const at::T
 
 // sigmoid is monotonic: a score above `threshold` needs a logit above this bound, so only
 // such logits need exp(). The bound sits a few ulps of the dtype (`epsilon`) below
-// logit(threshold), so rounding of the score never drops a candidate that passes.
-inline float logit_bound(double threshold, double epsilon) {
+// logit(threshold), so rounding of the score never drops a candidate that passes. Host and
+// device: the CUDA selection bounds its compaction with it too.
+C10_HOST_DEVICE inline float logit_bound(double threshold, double epsilon) {
   constexpr float inf = std::numeric_limits<float>::infinity();
   if (threshold <= 0) return -inf;
   if (threshold >= 1) return inf;  // a score never exceeds 1
   const double t = threshold * (1.0 - 8.0 * epsilon);
-  return std::nextafter(static_cast<float>(std::log(t / (1.0 - t))), -inf);
+  return ::nextafterf(static_cast<float>(::log(t / (1.0 - t))), -inf);
+}
+
+// A candidate whose score reaches `score` has a logit above this bound. Rounding to the dtype
+// takes a float sigmoid of at least the midpoint to the next lower value of the dtype, which
+// for a normal `score` is at least score * (1 - epsilon / 2): from there only float's
+// rounding is left, a much tighter margin than the dtype's.
+template <typename scalar_t>
+C10_HOST_DEVICE float logit_bound_reaching(float score) {
+  const double epsilon = std::numeric_limits<scalar_t>::epsilon();
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  if (!(score >= static_cast<float>(std::numeric_limits<scalar_t>::min()))) {
+    return logit_bound(::nextafterf(score, -inf), epsilon);
+  }
+  return logit_bound(score * (1.0 - epsilon / 2), std::numeric_limits<float>::epsilon());
 }
 
 inline DecodeShape check_decode_inputs(const at::Tensor& cls_logits, const at::Tensor& bbox_deltas,

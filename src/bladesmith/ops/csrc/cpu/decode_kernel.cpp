@@ -39,19 +39,6 @@ struct Better {
   }
 };
 
-// A candidate whose score reaches `score` has a logit above this bound. Rounding to the dtype
-// takes a float sigmoid of at least the midpoint to the next lower value of the dtype, which
-// for a normal `score` is at least score * (1 - epsilon / 2): from there only float's
-// rounding is left, a much tighter margin than the dtype's.
-template <typename scalar_t>
-float logit_bound_reaching(float score) {
-  const double epsilon = std::numeric_limits<scalar_t>::epsilon();
-  if (!(score >= static_cast<float>(std::numeric_limits<scalar_t>::min()))) {
-    return logit_bound(std::nextafter(score, -std::numeric_limits<float>::infinity()), epsilon);
-  }
-  return logit_bound(score * (1.0 - epsilon / 2), std::numeric_limits<float>::epsilon());
-}
-
 // torch.sigmoid in float, rounded to the input dtype.
 template <typename scalar_t>
 inline float score_of(float x) {

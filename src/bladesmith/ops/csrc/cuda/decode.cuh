@@ -28,6 +28,10 @@ struct DecodeSource {
   int num_classes;
   BoxCoder coder;
 
+  __device__ __forceinline__ int64_t label_of(int64_t, uint64_t candidate) const {
+    return candidate_index(candidate) % static_cast<uint32_t>(num_classes);
+  }
+
   // Box and score hold values of T, as the decode writes them.
   __device__ __forceinline__ void fetch(int64_t b, uint64_t candidate, float4& box, float& score,
                                         int64_t& label) const {

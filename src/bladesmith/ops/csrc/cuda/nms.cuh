@@ -1,17 +1,22 @@
-// Greedy class-aware NMS over candidates sorted by descending key, one block per image, as
-// cpu/nms_kernel.cpp defines it, stopping as soon as max_detections are kept.
+// Greedy class-aware NMS over candidates sorted by descending key, as cpu/nms_kernel.cpp
+// defines it: the first max_detections survivors, in that order.
 //
-// Candidates come 512 at a time and are resolved 64 at a time (one 64-bit mask word):
-//  1. in parallel, each candidate is tested against the detections kept so far (eight
-//     threads per candidate, each scanning every eighth one: independent loads from shared
-//     memory, where linked lists per label made each step wait for the last; on the model's
-//     own batch-1 candidates, 192 -> 159 us for decode and NMS on the H200), and a 64x64 IoU
+// Labels never suppress one another, so the labels are split into buckets (label mod the
+// bucket count) and each (image, bucket) block runs the greedy pass over its own candidates
+// only, many blocks at once where one block per image left most of the GPU idle. A block
+// stops once it has kept max_detections: its later candidates come after that many kept
+// ones. Survivors are flagged at their sorted position; a second kernel then takes each
+// image's first max_detections flagged candidates, in order, and writes the outputs.
+//
+// Within a block, candidates come 512 at a time and are resolved 64 at a time (one 64-bit
+// mask word):
+//  1. in parallel, each candidate is tested against the detections the block kept so far
+//     (eight threads per candidate, each scanning every eighth one), and a 64x64 IoU
 //     bitmask of the group is built (upper triangle, same label only);
 //  2. one warp resolves the group greedily. Only candidates whose row suppresses someone
 //     need a serial step; every other survivor is simply kept. The serial work is therefore
 //     the number of overlapping same-class pairs, not the number of detections.
-// No mask over all candidate pairs is ever built, and the outputs are written as detections
-// are kept.
+// No mask over all candidate pairs is ever built.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -29,11 +34,13 @@ namespace bladesmith {
 namespace gpu {
 
 constexpr int kNmsThreads = 512;
+constexpr int kNmsWarps = kNmsThreads / 32;
 constexpr int kNmsGroup = 64;  // one 64-bit mask word
 constexpr int kNmsParts = kNmsThreads / kNmsGroup;
 constexpr int kRowBits = kNmsGroup / kNmsParts;  // the bits of a group's row one part tests
-constexpr int kKeptCache = 1024;  // kept detections in shared memory (46 of its 48 KB in all)
+constexpr int kKeptCache = 512;   // kept detections of a block in shared memory
 constexpr int kScanUnroll = 4;    // kept detections one thread tests per step of its scan
+constexpr int kMaxBuckets = 64;
 
 // A kept detection past kKeptCache.
 struct alignas(16) KeptNode {
@@ -55,16 +62,11 @@ template <typename T>
 struct NmsTensors {
   at::Tensor boxes, scores, labels, counts;
 
-  at::Tensor spill;  // kept detections past kKeptCache, [B, D - kKeptCache] KeptNodes
-
   NmsTensors(int64_t batch, int64_t max_detections, const at::TensorOptions& options)
       : boxes(at::empty({batch, max_detections, 4}, options)),
         scores(at::empty({batch, max_detections}, options)),
         labels(at::empty({batch, max_detections}, options.dtype(at::kLong))),
-        counts(at::empty({batch}, options.dtype(at::kLong))),
-        spill(at::empty({batch * std::max<int64_t>(max_detections - kKeptCache, 0) *
-                         static_cast<int64_t>(sizeof(KeptNode))},
-                        options.dtype(at::kByte))) {
+        counts(at::empty({batch}, options.dtype(at::kLong))) {
     BLADESMITH_CHECK_VALUE(max_detections < (int64_t{1} << 31), "max_detections: the CUDA kernels "
                            "keep fewer than 2^31 detections per image, got ", max_detections);
   }
@@ -97,46 +99,85 @@ __device__ __forceinline__ uint64_t first_bits(uint64_t mask, int64_t n) {
   return mask;
 }
 
-// Source::fetch(b, key, box, score, label) gives a candidate's box and score as values of T.
+// Where this thread's flag goes among the block's flagged threads, counted from base, and
+// how many threads flagged (the same in every thread). Uses warp_total; a barrier inside.
+__device__ __forceinline__ int block_rank(bool flag, int base, int (&warp_total)[kNmsWarps],
+                                          int& total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const unsigned ballot = __ballot_sync(0xFFFFFFFFu, flag);
+  if (lane == 0) warp_total[warp] = __popc(ballot);
+  __syncthreads();
+  int rank = base + __popc(ballot & ((1u << lane) - 1));
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < kNmsWarps; ++w) {
+    rank += w < warp ? warp_total[w] : 0;
+    total += warp_total[w];
+  }
+  return rank;
+}
+
+// Source::label_of(b, key) gives a candidate's label, Source::fetch(b, key, box, score,
+// label) its box and score as values of T too. Block (b, bucket) flags, in keep[b], the
+// sorted positions of the survivors among the labels of its bucket.
 template <typename T, typename Source>
 __global__ void __launch_bounds__(kNmsThreads)
-    nms_kernel(Source src, const uint64_t* __restrict__ sorted, int64_t num_slots,
-               float iou_threshold, NmsOutput<T> out, KeptNode* __restrict__ spill) {
+    bucket_nms_kernel(Source src, const uint64_t* __restrict__ sorted, int64_t num_slots,
+                      float iou_threshold, int64_t max_keep, uint8_t* __restrict__ keep,
+                      KeptNode* __restrict__ spill) {
   __shared__ float4 kept_box[kKeptCache];
   __shared__ int64_t kept_label[kKeptCache];
   __shared__ float kept_area[kKeptCache];
   __shared__ float4 cand_box[kNmsThreads];
   __shared__ float cand_area[kNmsThreads];
-  __shared__ float cand_score[kNmsThreads];
   __shared__ int64_t cand_label[kNmsThreads];
+  // Sorted positions of the bucket's candidates not yet resolved, in order: a scan adds
+  // at most kNmsThreads to fewer than kNmsThreads.
+  __shared__ int32_t member[2 * kNmsThreads];
+  __shared__ int warp_total[kNmsWarps];
   __shared__ uint32_t dead_bits[kNmsParts][kNmsGroup / 32];
   __shared__ uint16_t row_bits[kNmsGroup][kNmsParts];
   __shared__ int64_t s_kept;
 
-  const int64_t b = blockIdx.x, D = out.max_detections;
+  const int64_t b = blockIdx.x;
+  const uint32_t bucket = blockIdx.y, buckets = gridDim.y;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  T* boxes = out.boxes + b * D * 4;
-  T* scores = out.scores + b * D;
-  int64_t* labels = out.labels + b * D;
-  KeptNode* spilled = spill + b * max(D - kKeptCache, int64_t{0});
+  const uint64_t* keys = sorted + b * num_slots;
+  uint8_t* flags = keep + b * num_slots;
+  KeptNode* spilled =
+      spill + (b * buckets + bucket) * max(max_keep - kKeptCache, int64_t{0});
 
-  int64_t kept = 0;
-  for (int64_t start = 0; start < num_slots && kept < D; start += kNmsThreads) {
-    __syncthreads();  // the previous round is done with the shared candidates
-    const int64_t i = start + tid;
-    const uint64_t candidate = i < num_slots ? sorted[b * num_slots + i] : 0;
-    float4 box = make_float4(0.f, 0.f, 0.f, 0.f);
-    float score = 0.f;
-    int64_t label = -1;
-    if (candidate != 0) src.fetch(b, candidate, box, score, label);
-    cand_box[tid] = box;
-    cand_area[tid] = box_area(box);
-    cand_score[tid] = score;
-    cand_label[tid] = label;
-    // Valid candidates (non-zero keys) come first.
-    const int valid = __syncthreads_count(candidate != 0);
+  int64_t kept = 0, cursor = 0;
+  int count = 0;
+  bool more = true;
+  while (kept < max_keep) {
+    // Gather the bucket's next candidates. Valid keys come first: a zero ends the list.
+    while (more && count < kNmsThreads) {
+      const int64_t i = cursor + tid;
+      const uint64_t key = i < num_slots ? keys[i] : 0;
+      const bool mine =
+          key != 0 && static_cast<uint64_t>(src.label_of(b, key)) % buckets == bucket;
+      int added;
+      const int at = block_rank(mine, count, warp_total, added);
+      if (mine) member[at] = static_cast<int32_t>(i);
+      more = !__syncthreads_or(key == 0);  // also: warp_total is free again
+      count += added;
+      cursor += kNmsThreads;
+    }
+    const int valid = min(count, kNmsThreads);
+    if (valid == 0) break;
+    if (tid < valid) {
+      float4 box;
+      float score;
+      int64_t label;
+      src.fetch(b, keys[member[tid]], box, score, label);
+      cand_box[tid] = box;
+      cand_area[tid] = box_area(box);
+      cand_label[tid] = label;
+    }
+    __syncthreads();
 
-    for (int g = 0; g * kNmsGroup < valid && kept < D; ++g) {
+    for (int g = 0; g * kNmsGroup < valid && kept < max_keep; ++g) {
       const int c = tid % kNmsGroup, part = tid / kNmsGroup, me = g * kNmsGroup + c;
       bool dead = me >= valid;
       uint32_t row = 0;
@@ -193,58 +234,120 @@ __global__ void __launch_bounds__(kNmsThreads)
           remaining &= ~__shfl_sync(0xFFFFFFFFu, first < 32 ? row_lo : row_hi, first % 32);
           next = first == 63 ? 0 : suppressing & remaining & (~0ull << (first + 1));
         }
-        // Greedy NMS stops at D detections: the first `room` survivors.
-        const int64_t room = D - kept;
-        const uint64_t keep = __popcll(remaining) > room ? first_bits(remaining, room) : remaining;
+        // The block stops at max_keep: the first `room` survivors.
+        const int64_t room = max_keep - kept;
+        const uint64_t kept_now =
+            __popcll(remaining) > room ? first_bits(remaining, room) : remaining;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int c2 = lane + 32 * h;
-          if (!(keep >> c2 & 1u)) continue;
-          const int pos = static_cast<int>(kept + __popcll(keep & ((1ull << c2) - 1)));
+          if (!(kept_now >> c2 & 1u)) continue;
+          const int64_t pos = kept + __popcll(kept_now & ((1ull << c2) - 1));
           const int slot = g * kNmsGroup + c2;
-          const float4 kb = cand_box[slot];
-          const int64_t kl = cand_label[slot];
-          boxes[pos * int64_t{4} + 0] = from_float<T>(kb.x);
-          boxes[pos * int64_t{4} + 1] = from_float<T>(kb.y);
-          boxes[pos * int64_t{4} + 2] = from_float<T>(kb.z);
-          boxes[pos * int64_t{4} + 3] = from_float<T>(kb.w);
-          scores[pos] = from_float<T>(cand_score[slot]);
-          labels[pos] = kl;
+          flags[member[slot]] = 1;
           if (pos < kKeptCache) {
-            kept_box[pos] = kb;
-            kept_label[pos] = kl;
+            kept_box[pos] = cand_box[slot];
+            kept_label[pos] = cand_label[slot];
             kept_area[pos] = cand_area[slot];
           } else {
-            spilled[pos - kKeptCache] = KeptNode{kb, kl, cand_area[slot]};
+            spilled[pos - kKeptCache] = KeptNode{cand_box[slot], cand_label[slot], cand_area[slot]};
           }
         }
-        if (lane == 0) s_kept = kept + __popcll(keep);
+        if (lane == 0) s_kept = kept + __popcll(kept_now);
       }
       __syncthreads();
       kept = s_kept;
     }
-    if (valid < kNmsThreads) break;  // the rest are empty slots
+    // The unresolved rest moves to the front.
+    const int rest = count - valid;
+    const int32_t moved = tid < rest ? member[valid + tid] : 0;
+    __syncthreads();
+    if (tid < rest) member[tid] = moved;
+    count = rest;
+    __syncthreads();
   }
+}
 
-  for (int64_t pos = kept + tid; pos < D; pos += kNmsThreads) {
+// Per image: the first max_detections flagged candidates, in sorted order, decoded into
+// the outputs; the rest padded (score 0, label -1).
+template <typename T, typename Source>
+__global__ void __launch_bounds__(kNmsThreads)
+    gather_kept_kernel(Source src, const uint64_t* __restrict__ sorted, int64_t num_slots,
+                       const uint8_t* __restrict__ keep, NmsOutput<T> out) {
+  __shared__ int warp_total[kNmsWarps];
+  const int64_t b = blockIdx.x, D = out.max_detections;
+  const int tid = threadIdx.x;
+  T* boxes = out.boxes + b * D * 4;
+  T* scores = out.scores + b * D;
+  int64_t* labels = out.labels + b * D;
+  int64_t taken = 0;
+  for (int64_t start = 0; start < num_slots && taken < D; start += kNmsThreads) {
+    const int64_t i = start + tid;
+    const bool flagged = i < num_slots && keep[b * num_slots + i] != 0;
+    int added;
+    const int64_t pos = taken + block_rank(flagged, 0, warp_total, added);
+    if (flagged && pos < D) {
+      float4 box;
+      float score;
+      int64_t label;
+      src.fetch(b, sorted[b * num_slots + i], box, score, label);
+      boxes[pos * 4 + 0] = from_float<T>(box.x);
+      boxes[pos * 4 + 1] = from_float<T>(box.y);
+      boxes[pos * 4 + 2] = from_float<T>(box.z);
+      boxes[pos * 4 + 3] = from_float<T>(box.w);
+      scores[pos] = from_float<T>(score);
+      labels[pos] = label;
+    }
+    taken += added;
+    __syncthreads();  // warp_total is read before the next round writes it
+  }
+  taken = min(taken, D);
+  for (int64_t pos = taken + tid; pos < D; pos += kNmsThreads) {
     boxes[pos * 4 + 0] = boxes[pos * 4 + 1] = boxes[pos * 4 + 2] = boxes[pos * 4 + 3] =
         from_float<T>(0.f);
     scores[pos] = from_float<T>(0.f);
     labels[pos] = -1;
   }
-  if (tid == 0) out.counts[b] = kept;
+  if (tid == 0) out.counts[b] = taken;
 }
 
-// sorted: [B, num_slots] candidate keys, descending per image.
+// Label buckets per image: as many blocks as run at once, at most one bucket per label
+// when the labels are known to be 0 .. num_labels - 1 (num_labels > 0).
+template <typename Kernel>
+int nms_buckets(Kernel kernel, int64_t batch, int64_t num_labels) {
+  int per_sm = 0, sms = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kNmsThreads, 0));
+  C10_CUDA_CHECK(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sms;
+  int64_t buckets = std::clamp<int64_t>(resident / batch, 1, kMaxBuckets);
+  if (num_labels > 0) buckets = std::min(buckets, num_labels);
+  return static_cast<int>(buckets);
+}
+
+// sorted: [B, num_slots] candidate keys, descending per image. num_labels: labels lie in
+// 0 .. num_labels - 1, or 0 when unknown.
 template <typename T, typename Source>
 void launch_nms(const Source& src, const at::Tensor& sorted, int64_t num_slots,
-                double iou_threshold, NmsTensors<T>& result) {
-  const int64_t batch = result.counts.size(0);
+                double iou_threshold, int64_t num_labels, NmsTensors<T>& result) {
+  const int64_t batch = result.counts.size(0), D = result.labels.size(1);
   if (batch == 0) return;
-  nms_kernel<T, Source><<<batch, kNmsThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      src, reinterpret_cast<const uint64_t*>(sorted.const_data_ptr<int64_t>()), num_slots,
-      float_threshold(iou_threshold), result.view(),
-      reinterpret_cast<KeptNode*>(result.spill.data_ptr()));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto* keys = reinterpret_cast<const uint64_t*>(sorted.const_data_ptr<int64_t>());
+  auto keep = at::zeros({batch, num_slots}, sorted.options().dtype(at::kByte));
+  if (num_slots > 0 && D > 0) {
+    auto kernel = bucket_nms_kernel<T, Source>;
+    const int buckets = nms_buckets(kernel, batch, num_labels);
+    auto spill = at::empty({batch * buckets * std::max<int64_t>(D - kKeptCache, 0) *
+                            static_cast<int64_t>(sizeof(KeptNode))},
+                           sorted.options().dtype(at::kByte));
+    kernel<<<dim3(batch, buckets), kNmsThreads, 0, stream>>>(
+        src, keys, num_slots, float_threshold(iou_threshold), D, keep.data_ptr<uint8_t>(),
+        reinterpret_cast<KeptNode*>(spill.data_ptr()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  gather_kept_kernel<T, Source><<<batch, kNmsThreads, 0, stream>>>(
+      src, keys, num_slots, keep.const_data_ptr<uint8_t>(), result.view());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

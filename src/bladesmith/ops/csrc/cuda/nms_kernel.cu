@@ -1,5 +1,5 @@
 // batched_nms on CUDA: per image, candidate keys in slot order, a descending sort, then the
-// greedy pass of nms.cuh. Fixed shapes, no host synchronisation.
+// greedy pass of nms.cuh over label buckets. Fixed shapes, no host synchronisation.
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -19,6 +19,10 @@ struct TensorSource {
   const T* scores;        // [B, K]
   const int64_t* labels;  // [B, K]
   int64_t num_slots;
+
+  __device__ __forceinline__ int64_t label_of(int64_t b, uint64_t candidate) const {
+    return labels[b * num_slots + candidate_index(candidate)];
+  }
 
   __device__ __forceinline__ void fetch(int64_t b, uint64_t candidate, float4& box,
                                         float& score, int64_t& label) const {
@@ -70,7 +74,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batched_nms_cuda(
     const TensorSource<scalar_t> source{boxes_c.const_data_ptr<scalar_t>(),
                                         scores_c.const_data_ptr<scalar_t>(),
                                         labels_c.const_data_ptr<int64_t>(), K};
-    launch_nms(source, keys, K, iou_threshold, result);
+    launch_nms(source, keys, K, iou_threshold, /*num_labels=*/0, result);
     outputs = {result.boxes, result.scores, result.labels, result.counts};
   });
   return outputs;

@@ -42,7 +42,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> retinanet_postprocess
     const auto sizes_c = image_sizes.contiguous();
     launch_nms(make_decode_source<scalar_t>(deltas_c, anchors_c, sizes_c, shape, weights,
                                             bbox_clip),
-               keys, K, iou_threshold, result);
+               keys, K, iou_threshold, shape.num_classes, result);
   });
   return outputs;
 }

@@ -47,6 +47,7 @@ struct SegmentState {
   unsigned int above;       // keys written above the region (every passing key for kTakeAll)
   unsigned int boundary;    // keys of the region stored for the final ranking
   unsigned int tiles_done;  // tiles of the segment the running kernel has finished
+  float low;  // with the boundary found: logits at or below it score below the region
 };
 
 struct SelectParams {
@@ -173,9 +174,21 @@ __device__ __forceinline__ bool finish_run(const SelectParams& p, const TileRef&
 
 using BlockScan = cub::BlockScan<unsigned, kThreads>;
 
+// The logit bound under the region of keys k with (k >> shift) == prefix: every key of the
+// region or above it has a score of at least the region's lowest, so the compaction tests
+// nothing at or below the bound (most passing logits, under a heavy load).
+template <typename T>
+__device__ float region_low(const SelectParams& p, int l, unsigned long long prefix,
+                              int shift) {
+  const uint64_t lowest = static_cast<uint64_t>(prefix) << shift;
+  const uint32_t bits = static_cast<uint32_t>(lowest >> p.index_bits[l]) + p.score_base;
+  return logit_bound_reaching<T>(__uint_as_float(bits));
+}
+
 // The segment's last block of a histogram pass: finds the bin of the k-th largest key (bins
 // scanned from the top), records the boundary region, and zeroes the histogram for the next
 // pass.
+template <typename T>
 __device__ void find_boundary(const SelectParams& p, int l, int pass, int shift, int digit_bits,
                               int* __restrict__ hist, SegmentState& st,
                               int* __restrict__ pass_needed, BlockScan::TempStorage& scan) {
@@ -201,8 +214,10 @@ __device__ void find_boundary(const SelectParams& p, int l, int pass, int shift,
       if (above + counts[j] >= k) {
         const unsigned long long bin = kBins - 1 - (threadIdx.x * kBinsPerThread + j);
         const bool found = counts[j] <= kBoundaryCap || shift == 0;
-        st.prefix = pass == 0 ? bin : (st.prefix << digit_bits) | bin;
+        const unsigned long long prefix = pass == 0 ? bin : (st.prefix << digit_bits) | bin;
+        st.prefix = prefix;
         st.shift = shift;
+        if (found) st.low = region_low<T>(p, l, prefix, shift);
         st.need = k - above;
         st.status = found ? kBoundaryFound : kRefining;
         if (!found) pass_needed[pass + 1] = 1;
@@ -264,7 +279,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     SegmentState& st = state[t.segment];
     if (finish_run(p, t, st, run, s_last)) {
-      find_boundary(p, t.level, pass, digit_shift(t.level), digit_bits(t.level), seg_hist, st,
+      find_boundary<T>(p, t.level, pass, digit_shift(t.level), digit_bits(t.level), seg_hist, st,
                     pass_needed, scan);
     }
     __syncthreads();
@@ -320,6 +335,7 @@ __global__ void __launch_bounds__(kThreads)
     const bool take_all = st.status == kTakeAll;
     const unsigned long long region = st.prefix;
     const int region_shift = st.shift;
+    const float low = take_all ? -INFINITY : st.low;
     const T* level_logits = logits + t.image * p.logits_per_image + p.level_begin[l];
     float x[kItems];
     load_tile<T, VEC>(level_logits, p.level_size[l], t.start, x);
@@ -327,7 +343,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int n = 0; n < kItems; ++n) {
       uint32_t bits;
-      if (!passing_score<T>(p, x[n], bits)) continue;
+      if (!(x[n] > low) || !passing_score<T>(p, x[n], bits)) continue;
       if (take_all) {
         above |= 1u << n;
         continue;
