@@ -81,6 +81,18 @@ struct BoxCoder {
   }
 };
 
+// Detection i of the outputs (boxes [.., 4], scores, labels) in the output dtype.
+template <typename T>
+__device__ __forceinline__ void write_detection(T* boxes, T* scores, int64_t* labels, int64_t i,
+                                                float4 box, float score, int64_t label) {
+  boxes[i * 4 + 0] = from_float<T>(box.x);
+  boxes[i * 4 + 1] = from_float<T>(box.y);
+  boxes[i * 4 + 2] = from_float<T>(box.z);
+  boxes[i * 4 + 3] = from_float<T>(box.w);
+  scores[i] = from_float<T>(score);
+  labels[i] = label;
+}
+
 __device__ __forceinline__ float box_area(float4 b) {
   return __fmul_rn(__fsub_rn(b.z, b.x), __fsub_rn(b.w, b.y));
 }

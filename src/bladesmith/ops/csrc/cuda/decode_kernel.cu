@@ -27,12 +27,7 @@ __global__ void write_detections_kernel(DecodeSource<T> source,
   float score = 0.f;
   int64_t label = -1;  // an empty slot
   if (candidate != 0) source.fetch(i / num_slots, candidate, box, score, label);
-  boxes[i * 4 + 0] = from_float<T>(box.x);
-  boxes[i * 4 + 1] = from_float<T>(box.y);
-  boxes[i * 4 + 2] = from_float<T>(box.z);
-  boxes[i * 4 + 3] = from_float<T>(box.w);
-  scores[i] = from_float<T>(score);
-  labels[i] = label;
+  write_detection(boxes, scores, labels, i, box, score, label);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> retinanet_decode_cuda(

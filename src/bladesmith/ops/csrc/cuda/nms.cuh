@@ -291,22 +291,14 @@ __global__ void __launch_bounds__(kNmsThreads)
       float score;
       int64_t label;
       src.fetch(b, sorted[b * num_slots + i], box, score, label);
-      boxes[pos * 4 + 0] = from_float<T>(box.x);
-      boxes[pos * 4 + 1] = from_float<T>(box.y);
-      boxes[pos * 4 + 2] = from_float<T>(box.z);
-      boxes[pos * 4 + 3] = from_float<T>(box.w);
-      scores[pos] = from_float<T>(score);
-      labels[pos] = label;
+      write_detection(boxes, scores, labels, pos, box, score, label);
     }
     taken += added;
     __syncthreads();  // warp_total is read before the next round writes it
   }
   taken = min(taken, D);
   for (int64_t pos = taken + tid; pos < D; pos += kNmsThreads) {
-    boxes[pos * 4 + 0] = boxes[pos * 4 + 1] = boxes[pos * 4 + 2] = boxes[pos * 4 + 3] =
-        from_float<T>(0.f);
-    scores[pos] = from_float<T>(0.f);
-    labels[pos] = -1;
+    write_detection(boxes, scores, labels, pos, make_float4(0.f, 0.f, 0.f, 0.f), 0.f, -1);
   }
   if (tid == 0) out.counts[b] = taken;
 }
