@@ -271,26 +271,17 @@ def launch_latency():
     """6. graph launch latency against the number of kernels (tiny kernels)"""
     x = torch.zeros(1, device=dev)
     for n in (1, 10, 40, 160, 640):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            x.add_(1)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(n):
-                x.add_(1)
+        replay = graphed([lambda n=n: [x.add_(1) for _ in range(n)]])
 
-        def replay_sync(_, graph=graph):
-            graph.replay()
+        def replay_sync(_, replay=replay):
+            replay()
             torch.cuda.current_stream().synchronize()
 
-        back = measure(lambda g=graph: g.replay(), warmup=50, iters=300, device=dev)
+        back = measure(replay, warmup=50, iters=300, device=dev)
         synced = measure(replay_sync, (None,), warmup=50, iters=300, device=dev)
         print(
             f"graph of {n:4d} kernels: back to back {back.p50_ms * 1e3:7.1f} us, "
-            f"with sync {synced.p50_ms * 1e3:7.1f} us, host replay() "
-            f"{host_us(graph.replay):6.1f} us",
+            f"with sync {synced.p50_ms * 1e3:7.1f} us, host replay() {host_us(replay):6.1f} us",
             flush=True,
         )
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from bladesmith.bench import iter_tensors
 from bladesmith.errors import BladesmithError
 from bladesmith.models.images import as_batch
 from bladesmith.passes.onnxruntime import cpu_runner, export_onnx
@@ -137,15 +138,9 @@ class OptimizedModule(nn.Module):
 
 
 def _all_on(device: torch.device, tree) -> bool:
-    """Whether every tensor in the nested lists, tuples and dicts ``tree`` is on ``device``
-    already: the usual case, checked without pytree's cost on every call."""
-    if isinstance(tree, torch.Tensor):
-        return tree.device == device
-    if isinstance(tree, (list, tuple)):
-        return all(_all_on(device, value) for value in tree)
-    if isinstance(tree, dict):
-        return all(_all_on(device, value) for value in tree.values())
-    return True
+    """Whether every tensor in ``tree`` is on ``device`` already: the usual case, checked
+    without pytree's cost on every call."""
+    return all(tensor.device == device for tensor in iter_tensors(tree))
 
 
 def save(optimized: OptimizedModule, path: str | os.PathLike, *, inductor_configs=None) -> Path:

@@ -169,24 +169,25 @@ def measure_batches(
 def _infer_device(tree):
     import torch
 
-    tensors = [t for t in _iter_tensors(tree)]
+    tensors = list(iter_tensors(tree))
     for tensor in tensors:
         if tensor.device.type == "cuda":
             return tensor.device
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-def _iter_tensors(tree):
+def iter_tensors(tree):
+    """The tensors in ``tree``: nested lists, tuples and mappings (in order)."""
     import torch
 
     if isinstance(tree, torch.Tensor):
         yield tree
     elif isinstance(tree, Mapping):
         for value in tree.values():
-            yield from _iter_tensors(value)
+            yield from iter_tensors(value)
     elif isinstance(tree, (list, tuple)):
         for value in tree:
-            yield from _iter_tensors(value)
+            yield from iter_tensors(value)
 
 
 def _host_synchronizer(device) -> Callable[[], None] | None:

@@ -6,9 +6,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace bladesmith {
@@ -24,6 +27,17 @@ namespace gpu {
 constexpr int kMaxLevels = 16;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// How many blocks of `threads` threads of `kernel` the GPU runs at once (at least one per
+// multiprocessor): grids of that size keep every multiprocessor busy in one wave.
+template <typename Kernel>
+int64_t resident_blocks(Kernel kernel, int threads) {
+  int per_sm = 0, sms = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  C10_CUDA_CHECK(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+  return static_cast<int64_t>(std::max(per_sm, 1)) * sms;
+}
 
 template <typename T>
 __device__ __forceinline__ float to_float(T v) {

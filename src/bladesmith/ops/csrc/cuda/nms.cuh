@@ -307,12 +307,8 @@ __global__ void __launch_bounds__(kNmsThreads)
 // when the labels are known to be 0 .. num_labels - 1 (num_labels > 0).
 template <typename Kernel>
 int nms_buckets(Kernel kernel, int64_t batch, int64_t num_labels) {
-  int per_sm = 0, sms = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kNmsThreads, 0));
-  C10_CUDA_CHECK(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sms;
-  int64_t buckets = std::clamp<int64_t>(resident / batch, 1, kMaxBuckets);
+  int64_t buckets =
+      std::clamp<int64_t>(resident_blocks(kernel, kNmsThreads) / batch, 1, kMaxBuckets);
   if (num_labels > 0) buckets = std::min(buckets, num_labels);
   return static_cast<int>(buckets);
 }

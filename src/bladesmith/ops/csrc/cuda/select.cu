@@ -178,8 +178,7 @@ using BlockScan = cub::BlockScan<unsigned, kThreads>;
 // region or above it has a score of at least the region's lowest, so the compaction tests
 // nothing at or below the bound (most passing logits, under a heavy load).
 template <typename T>
-__device__ float region_low(const SelectParams& p, int l, unsigned long long prefix,
-                              int shift) {
+__device__ float region_low(const SelectParams& p, int l, unsigned long long prefix, int shift) {
   const uint64_t lowest = static_cast<uint64_t>(prefix) << shift;
   const uint32_t bits = static_cast<uint32_t>(lowest >> p.index_bits[l]) + p.score_base;
   return logit_bound_reaching<T>(__uint_as_float(bits));
@@ -279,8 +278,8 @@ __global__ void __launch_bounds__(kThreads)
     }
     SegmentState& st = state[t.segment];
     if (finish_run(p, t, st, run, s_last)) {
-      find_boundary<T>(p, t.level, pass, digit_shift(t.level), digit_bits(t.level), seg_hist, st,
-                    pass_needed, scan);
+      find_boundary<T>(p, t.level, pass, digit_shift(t.level), digit_bits(t.level), seg_hist,
+                       st, pass_needed, scan);
     }
     __syncthreads();
   };
@@ -406,31 +405,21 @@ uint32_t float_bits(float f) {
   return u;
 }
 
-template <typename Kernel>
-int64_t resident_grid(Kernel kernel, int64_t num_tiles) {
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  int sms = 0;
-  C10_CUDA_CHECK(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-  return std::min<int64_t>(num_tiles, std::max(per_sm, 1) * sms);
-}
-
 template <typename T, int VEC>
 void launch_select(const SelectParams& p, int num_passes, const T* logits, int64_t num_tiles,
                    int* hist, SegmentState* state, int* pass_needed, uint64_t* boundary_keys,
                    uint64_t* out) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   auto histogram = histogram_kernel<T, VEC>;
-  const int64_t hist_grid = resident_grid(histogram, num_tiles);
+  const int64_t hist_grid = std::min(num_tiles, resident_blocks(histogram, kThreads));
   for (int pass = 0; pass < num_passes; ++pass) {
     histogram<<<hist_grid, kThreads, 0, stream>>>(p, logits, pass, num_tiles, hist, state,
                                                   pass_needed);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   auto compact = compact_kernel<T, VEC>;
-  compact<<<resident_grid(compact, num_tiles), kThreads, 0, stream>>>(p, logits, num_tiles, state,
-                                                                      boundary_keys, out);
+  const int64_t compact_grid = std::min(num_tiles, resident_blocks(compact, kThreads));
+  compact<<<compact_grid, kThreads, 0, stream>>>(p, logits, num_tiles, state, boundary_keys, out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
