@@ -7,6 +7,11 @@ on every call (``nhwcAddPaddingKernel``). On the H200 at batch 32 that cost Reti
 9 anchors x 91 classes, and 36 box deltas). The pass pads the weights once with zeros,
 the input with zero channels (which compilers fold into the kernel that makes it), and
 returns the real output channels, so what the model computes is unchanged.
+
+Uncompiled, the pad and the slice are kernels of their own and eat the gain (1.00x at
+batch 32, 1.02x at batch 1 on the H200); compiled by Inductor, the same model ran 4%
+faster at batch 32 and 8% at batch 1. So the pass is an enabler: kept when accurate,
+for the compiler after it.
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ class ChannelPadding(Pass):
 
     name = "channel_padding"
     rewrites_modules = True
+    enabler = True  # its gain shows once Inductor folds the pad and the slice
     devices = ("cuda",)
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
