@@ -9,8 +9,8 @@ latency and the F1 of each, side by side, to see what the gate's choices cost.
 Each combo is a comma-separated list of pass names, applied in that order ("adapter"
 is short for retinanet_adapter). The model is the realistic-load RetinaNet R50-FPN of
 bench_optimize.py on real photographs; every row is timed on the same images and its
-detections are compared with eager float32's: F1 with near ties excused (what
-optimize's gate uses) and strict F1 (every unmatched detection counts).
+detections are compared with eager float32's: F1 with near ties and rounding flips
+excused (what optimize's gate uses) and strict F1 (every unmatched detection counts).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from bladesmith.models.images import sample_images
 from bladesmith.models.retinanet import build_retinanet
 from bladesmith.passes import Candidate, Context
 from bladesmith.passes.registry import create_all
+from bladesmith.verify import reference_under_noise
 
 GPU_COMBOS = (
     "adapter,cuda_graph",
@@ -59,7 +60,8 @@ def main() -> None:
         with torch.no_grad():
             reference = model(images)
         warmup, iters = (args.warmup, args.iters) if batch == 1 else (3, args.iters // 4 or 1)
-        timed = Timer(warmup, iters, device, batch)
+        noisy = [run[0] for run in reference_under_noise(model, [(images,)])]
+        timed = Timer(warmup, iters, device, batch, noisy)
         rows.append(timed("eager fp32", model, images, reference))
         for combo in args.combos:
             names = [ALIASES.get(n, n) for n in combo.split(",")]

@@ -7,20 +7,24 @@ candidate, whose outputs on every test input are compared with the reference's a
 which is timed; it is kept only if it is within tolerance and at least
 ``Config.min_speedup`` times faster. Every pass gets a record, with its reason.
 
-Candidates are timed as they will run: wrapped by the finisher passes that apply to
-them (a CUDA graph on the GPU), which a finisher's own record then compares with the
-candidate without it.
+Candidates are verified and timed as they will run: wrapped by the finisher passes that
+apply to them (a CUDA graph on the GPU), which a finisher's own record then compares
+with the candidate without it. For detectors the model as given also runs under
+rounding noise (``verify.reference_under_noise``): the detections that rounding alone
+flips are not held against a pass.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -46,8 +50,10 @@ from bladesmith.spec import (
 from bladesmith.verify import (
     Comparison,
     compare_outputs,
+    contains_detections,
     default_tolerance,
     detection_score_tolerance,
+    reference_under_noise,
 )
 
 _MAX_ERROR_CHARS = 400
@@ -104,14 +110,16 @@ def optimize(
 
     finishers = [each for each in passes if each.finisher]
 
-    def time_candidate(candidate: Candidate, label: str, finish: bool = True) -> _Timed:
-        """``candidate``'s timing, wrapped by the finishers that apply (unless not
-        ``finish``), and the names of those that wrapped it."""
-        run, finished_by = _finished(candidate, finishers, context) if finish else (candidate, ())
+    def finish(candidate: Candidate) -> _Finished:
+        return _finished(candidate, finishers, context)
+
+    def time_candidate(run: _Finished, label: str) -> _Timed:
+        """The timing of ``run``: a candidate as it will run, wrapped by its finishers."""
+        candidate, finished_by = run
         label += f" in {' + '.join(finished_by)}" if finished_by else ""
         with progress.step(f"timing {label}"):
             timing = measure(
-                OptimizedModule.from_candidate(run),
+                OptimizedModule.from_candidate(candidate),
                 test_args[0],
                 warmup=warmup,
                 iters=iters,
@@ -123,8 +131,11 @@ def optimize(
 
     best = Candidate(module=working, device=device)
     with progress.step("running the model as given"):
-        reference = _outputs(best, context)
-    baseline = time_candidate(best, "the model as given")
+        reference = _Reference(_outputs(best, context))
+    if contains_detections(reference.outputs):
+        with progress.step("running the model under rounding noise"):
+            reference = _Reference(reference.outputs, _under_noise(working, context))
+    baseline = time_candidate(finish(best), "the model as given")
     best_timed = baseline
     records: list[PassRecord] = []
     # (candidate, timing, index of its record) of the baseline (-1, always first) and of
@@ -133,8 +144,10 @@ def optimize(
     for each in passes:
         before = best_timed
         if each.name in best_timed.finished_by:  # the best was timed in it: compare without
-            before = time_candidate(best, f"the best without {each.name}", finish=False)
-        record, candidate, timed = _try(each, best, before, context, reference, time_candidate)
+            before = time_candidate(_Finished(best, ()), f"the best without {each.name}")
+        record, candidate, timed = _try(
+            each, best, before, context, reference, finish, time_candidate
+        )
         records.append(record)
         progress.log(record)
         if record.status == "kept":
@@ -181,14 +194,19 @@ class _Timed:
     finished_by: tuple[str, ...] = ()  # the finisher passes it was timed in
 
 
-def _finished(
-    candidate: Candidate, finishers: list[Pass], context: Context
-) -> tuple[Candidate, tuple[str, ...]]:
+class _Finished(NamedTuple):
+    """A candidate as it will run: wrapped by the finisher passes named."""
+
+    candidate: Candidate
+    finished_by: tuple[str, ...]
+
+
+def _finished(candidate: Candidate, finishers: list[Pass], context: Context) -> _Finished:
     """``candidate`` wrapped by each finisher that applies to it and is not in it yet,
     and their names. The model as given is left as is: it may not survive a capture
     (host synchronisations), which the finisher's own trial reports, if it comes to it."""
     if not candidate.applied:
-        return candidate, ()
+        return _Finished(candidate, ())
     finished_by = []
     for finisher in finishers:
         if finisher.name in candidate.applied or _skip_reason(finisher, candidate, context):
@@ -198,7 +216,7 @@ def _finished(
         except Exception:  # its own trial, later, reports why
             continue
         finished_by.append(finisher.name)
-    return candidate, tuple(finished_by)
+    return _Finished(candidate, tuple(finished_by))
 
 
 def _try(
@@ -207,10 +225,13 @@ def _try(
     best_timed: _Timed,
     context: Context,
     reference,
-    time_candidate: Callable[..., _Timed],
+    finish: Callable[[Candidate], _Finished],
+    time_candidate: Callable[[_Finished, str], _Timed],
 ) -> tuple[PassRecord, Candidate | None, _Timed | None]:
     """Apply, verify and time one pass against the best candidate so far, timed as
-    ``best_timed`` (without the pass, when the pass is a finisher it was timed in)."""
+    ``best_timed`` (without the pass, when the pass is a finisher it was timed in).
+    The candidate is verified as it is timed and will run, wrapped by its finishers (a
+    CUDA graph's capture may pick other convolution algorithms than eager calls)."""
     name, config = each.name, context.config
 
     def record(status, reason, **fields):
@@ -223,20 +244,30 @@ def _try(
     try:
         with context.step(f"{name}: applying"):
             candidate = each.apply(best, context)
+            run = finish(candidate)
         built = f"built in {time.perf_counter() - started:.1f} s"
         with context.step(f"{name}: verifying"):
-            accuracy = _compare(reference, _outputs(candidate, context), candidate.dtype, config)
+            accuracy = _compare(
+                reference, _outputs(run.candidate, context), candidate.dtype, config
+            )
+            if not accuracy.passed and run.finished_by:
+                # Only the wrapped form moves? The finisher is at fault, and its own
+                # trial rejects it: judge the candidate without it.
+                bare = _compare(reference, _outputs(candidate, context), candidate.dtype, config)
+                if bare.passed:
+                    run, accuracy = _Finished(candidate, ()), bare
     except PassSkipped as error:
         return record("skipped", str(error)), None, None
     except Exception as error:  # a failing pass is reported, never fatal
         return record("failed", _describe(error)), None, None
     waived = each.changes_precision and config.disable_fp16_accuracy_check
     pre_run = best_timed.timing.p50_ms
+    as_run = f" in {' + '.join(run.finished_by)}" if run.finished_by else ""
     if not accuracy.passed and not waived:
-        reason = f"outputs moved past tolerance ({built}; not timed)"
+        reason = f"outputs moved past tolerance{as_run} ({built}; not timed)"
         return record("rejected", reason, pre_run=pre_run, accuracy=accuracy), None, None
     try:
-        timed = time_candidate(candidate, name)
+        timed = time_candidate(run, name)
     except Exception as error:
         return record("failed", f"timing: {_describe(error)}", accuracy=accuracy), None, None
     timing = timed.timing
@@ -250,9 +281,16 @@ def _try(
     elif each.enabler:
         reason = f"kept at {speedup:.2f}x: the passes after it need what it does; {check} ({built})"
     else:
-        reason = f"{speedup:.2f}x, below the {config.min_speedup:g}x needed to keep it ({built})"
+        shown = _below_bar(speedup)
+        reason = f"{shown}, below the {config.min_speedup:g}x needed to keep it ({built})"
         return record("rejected", reason, **fields), None, None
     return record("kept", reason, **fields), candidate, timed
+
+
+def _below_bar(speedup: float) -> str:
+    """A speedup under the bar, truncated to two decimals: 1.0297 is 1.02x, never a
+    rounded 1.03x beside "below the 1.03x needed"."""
+    return f"{math.floor(speedup * 100) / 100:.2f}x"
 
 
 def _skip_reason(each: Pass, candidate: Candidate, context: Context) -> str | None:
@@ -297,13 +335,31 @@ def _outputs(candidate: Candidate, context: Context) -> list:
     return [module(*args) for args in context.test_args]
 
 
-def _compare(reference, outputs, dtype: torch.dtype, config: Config) -> Comparison:
+class _Reference(NamedTuple):
+    """The model's outputs on the test inputs, and for detectors the same under
+    rounding noise: the detections rounding alone flips are not held against a pass."""
+
+    outputs: list
+    noisy: Sequence = ()
+
+
+def _under_noise(working: nn.Module, context: Context) -> list:
+    """``reference_under_noise`` of the model as given; none where it cannot be copied."""
+    try:
+        return reference_under_noise(working, context.test_args)
+    except Exception as error:  # a copy-resistant model is judged without it
+        context.notes.append(f"no rounding-noise reference ({_describe(error)})")
+        return []
+
+
+def _compare(reference: _Reference, outputs, dtype: torch.dtype, config: Config) -> Comparison:
     rtol, atol = default_tolerance(dtype)
     rtol = config.rtol if config.rtol is not None else rtol
     atol = config.atol if config.atol is not None else atol
     return compare_outputs(
-        reference,
+        reference.outputs,
         outputs,
+        noisy=reference.noisy,
         rtol=rtol,
         atol=atol,
         iou_threshold=config.iou_threshold,

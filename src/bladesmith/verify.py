@@ -13,8 +13,9 @@ emit the same boxes in another order, and NMS ties may resolve differently.
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -232,7 +233,7 @@ class DetectionComparison:
     max_box_deviation: float | None = None  # largest coordinate difference, in pixels
     max_score_deviation: float | None = None
     mean_iou: float | None = None
-    excused: int = 0  # unmatched detections on a near tie (or its NMS consequences)
+    excused: int = 0  # unmatched on a near tie or a rounding flip (or their consequences)
     strict_f1: float = 1.0  # F1 with nothing excused
     tolerance_ratio: float = 0.0  # worst of the F1 shortfall and score deviation, as above
     reasons: list[str] = field(default_factory=list)
@@ -242,7 +243,8 @@ class DetectionComparison:
             f"F1 {self.f1:.4g} (min {self.min_f1:g}), {self.matched} matched of "
             f"{self.reference_count} reference / {self.candidate_count} candidate"
             + (
-                f" ({self.excused} on near ties excused; strict F1 {self.strict_f1:.4g}), "
+                f" ({self.excused} on near ties or rounding flips excused; "
+                f"strict F1 {self.strict_f1:.4g}), "
                 if self.excused
                 else ", "
             )
@@ -290,6 +292,43 @@ def is_detection_list(value) -> bool:
     )
 
 
+def contains_detections(value) -> bool:
+    """Whether ``value`` (any structure of outputs) holds a detection list."""
+    if is_detection_list(value):
+        return True
+    if isinstance(value, Mapping):
+        return any(contains_detections(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(contains_detections(item) for item in value)
+    return False
+
+
+# Rounding noise to probe a model with: each weight moved by about float16's (and TF32's)
+# unit roundoff, 2^-11 of itself.
+ROUNDING_NOISE = 2.0**-11
+
+
+@torch.no_grad()
+def reference_under_noise(
+    model: torch.nn.Module, inputs: Sequence[tuple], runs: int = 2, relative: float = ROUNDING_NOISE
+) -> list[list]:
+    """The outputs of ``model`` on each of ``inputs`` (argument tuples) in ``runs`` runs,
+    each with a copy whose floating-point parameters are multiplied by 1 + ``relative``
+    times a standard normal draw (seeded: the same runs every call). What differs from
+    the model's own outputs is what rounding alone can flip. ``model`` is untouched."""
+    results = []
+    for run in range(runs):
+        noisy = copy.deepcopy(model)
+        generator = torch.Generator().manual_seed(run)
+        for parameter in noisy.parameters():
+            if parameter.is_floating_point():
+                draw = torch.randn(parameter.shape, generator=generator, dtype=torch.float32)
+                parameter.mul_((1 + relative * draw).to(parameter))
+        results.append([noisy(*args) for args in inputs])
+        del noisy
+    return results
+
+
 # Detection scores come out of a whole network, whose float32 convolutions run in TF32
 # on recent NVIDIA GPUs (PyTorch's default for cuDNN), in the baseline too: another
 # convolution algorithm (channels_last, a compiled kernel) moves them by ~1e-3.
@@ -304,7 +343,7 @@ def detection_score_tolerance(dtype: torch.dtype) -> float:
 
 
 def compare_detections(
-    reference, candidate, iou_threshold=0.9, min_f1=0.99, score_atol=None, tie_iou=0.5
+    reference, candidate, iou_threshold=0.9, min_f1=0.99, score_atol=None, tie_iou=0.5, noisy=()
 ) -> DetectionComparison:
     """Match candidate detections to reference ones, order-free, and score the match.
 
@@ -326,9 +365,17 @@ def compare_detections(
     score that close, either choice is right, and such an unmatched pair is excused too,
     with what follows from it: the box kept instead suppresses other neighbours, so an
     unmatched detection overlapping an excused one of the other list by ``tie_iou``
-    (same class) is excused as well. "Close" is within twice the largest score change
+    (same class) is excused as well, and so on along such a chain of overlapping boxes
+    of one class. "Close" is within twice the largest score change
     among the image's matched pairs (what rounding really moved), and never more than
-    ``score_atol``. ``strict_f1`` excuses nothing.
+    ``score_atol``.
+
+    ``noisy``: the reference model's own detections under rounding-level noise (lists
+    like ``reference``; ``reference_under_noise`` makes them). A reference detection
+    that one of them lacks, or a candidate detection that one of them has and the
+    reference lacks, is a choice rounding flips (a candidate at a top-k or threshold
+    cut inside the model, say): unmatched, it is excused too, with what it suppresses.
+    ``strict_f1`` excuses nothing.
     """
     _check_detections("reference", reference)
     if score_atol is None:
@@ -349,7 +396,9 @@ def compare_detections(
         )
     box_devs, score_devs, ious = [], [], []
     nonfinite = raw_references = raw_candidates = 0
-    for ref, cand in zip(reference, candidate, strict=False):  # lengths checked above
+    noisy_images = list(zip(*noisy, strict=True)) if noisy else [()] * len(reference)
+    images = zip(reference, candidate, noisy_images, strict=False)  # lengths checked above
+    for ref, cand, noisy_runs in images:
         ref_boxes, ref_scores, ref_labels = _as_arrays(ref)
         cand_boxes, cand_scores, cand_labels = _as_arrays(cand)
         result.images += 1
@@ -392,9 +441,24 @@ def compare_detections(
             tie_iou,
             tie_band,
         )
-        ref_excused, cand_excused = _tie_consequences(
-            iou, ref_labels, cand_labels, ref_matched, cand_matched, ties, tie_iou
+        ref_flips, cand_flips = _rounding_flips(
+            ref_boxes,
+            ref_labels,
+            cand_boxes,
+            cand_labels,
+            ref_matched,
+            cand_matched,
+            [_as_arrays(run) for run in noisy_runs],
+            iou_threshold,
         )
+        ref_seeds, cand_seeds = ref_flips.copy(), cand_flips.copy()
+        for i, j in ties:
+            ref_seeds[i] = cand_seeds[j] = True
+        ref_excused, cand_excused = _tie_consequences(
+            iou, ref_labels, cand_labels, ref_matched, cand_matched, ref_seeds, cand_seeds, tie_iou
+        )
+        ref_excused += int(ref_flips.sum())
+        cand_excused += int(cand_flips.sum())
         # Swaps across the cut come in pairs: one left each list near the cut. A lone
         # one (a duplicate, a detection lost at the threshold) is not excused.
         swapped = len(ties) + min(
@@ -471,21 +535,72 @@ def _tie_swaps(
     return pairs
 
 
+def _matched_to(boxes, labels, other_boxes, other_labels, iou_threshold: float) -> np.ndarray:
+    """Which of ``boxes`` a detection of ``other_boxes`` matches (same label, IoU at
+    least ``iou_threshold``), one to one, greedily by overlap."""
+    matched = np.zeros(len(boxes), dtype=bool)
+    if not len(boxes) or not len(other_boxes):
+        return matched
+    iou = _box_iou(boxes, other_boxes)
+    eligible = (labels[:, None] == other_labels[None, :]) & (iou >= iou_threshold)
+    for i in range(len(boxes)):
+        row = np.where(eligible[i], iou[i], -1.0)
+        j = int(row.argmax())
+        if row[j] >= 0:
+            matched[i] = True
+            eligible[:, j] = False
+    return matched
+
+
+def _rounding_flips(
+    ref_boxes,
+    ref_labels,
+    cand_boxes,
+    cand_labels,
+    ref_matched,
+    cand_matched,
+    noisy_runs,
+    iou_threshold: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Unmatched detections that the reference model itself flips under rounding noise
+    (``noisy_runs``: its (boxes, scores, labels) of this image in each noisy run): one
+    of the reference's that a run lacks, one of the candidate's that a run has and the
+    reference lacks. Marks them matched (in place) and returns their masks."""
+    ref_flips = np.zeros_like(ref_matched)
+    cand_flips = np.zeros_like(cand_matched)
+    for boxes, _, labels in noisy_runs:
+        ref_flips |= ~ref_matched & ~_matched_to(
+            ref_boxes, ref_labels, boxes, labels, iou_threshold
+        )
+        appeared = ~_matched_to(boxes, labels, ref_boxes, ref_labels, iou_threshold)
+        cand_flips |= ~cand_matched & _matched_to(
+            cand_boxes, cand_labels, boxes[appeared], labels[appeared], iou_threshold
+        )
+    ref_matched |= ref_flips
+    cand_matched |= cand_flips
+    return ref_flips, cand_flips
+
+
 def _tie_consequences(
-    iou, ref_labels, cand_labels, ref_matched, cand_matched, ties, tie_iou: float
+    iou, ref_labels, cand_labels, ref_matched, cand_matched, ref_seeds, cand_seeds, tie_iou: float
 ) -> tuple[int, int]:
-    """Unmatched detections that a near tie's other choice explains: the box one list
-    kept instead of its twin suppresses different neighbours, so an unmatched
-    detection overlapping an excused one of the other list by at least ``tie_iou``,
-    same label, went the other way because of the tie. Marks them matched (in place)
-    and returns how many there are in the reference and in the candidate."""
-    if not ties:
-        return 0, 0
-    ref_ties, cand_ties = (np.array(side) for side in zip(*ties, strict=True))
-    near_ref_tie = (iou[ref_ties] >= tie_iou) & (ref_labels[ref_ties, None] == cand_labels)
-    near_cand_tie = (iou[:, cand_ties] >= tie_iou) & (ref_labels[:, None] == cand_labels[cand_ties])
-    cand_excused = ~cand_matched & near_ref_tie.any(axis=0)
-    ref_excused = ~ref_matched & near_cand_tie.any(axis=1)
+    """Unmatched detections that a near tie's other choice (or a rounding flip: the
+    seeds) explains: the box one list kept instead of its twin suppresses different
+    neighbours, so an unmatched detection overlapping an excused one of the other list
+    by at least ``tie_iou``, same label, went the other way because of the tie; and so
+    on along the chain, as a neighbour kept in one list suppresses its own neighbours
+    there. Marks them matched (in place) and returns how many there are in the
+    reference and in the candidate."""
+    linked = (iou >= tie_iou) & (ref_labels[:, None] == cand_labels[None, :])
+    ref_excused = np.zeros_like(ref_matched)
+    cand_excused = np.zeros_like(cand_matched)
+    ref_front, cand_front = ref_seeds, cand_seeds
+    while ref_front.any() or cand_front.any():
+        new_cand = ~cand_matched & ~cand_excused & linked[ref_front].any(axis=0)
+        new_ref = ~ref_matched & ~ref_excused & linked[:, cand_front].any(axis=1)
+        cand_excused |= new_cand
+        ref_excused |= new_ref
+        ref_front, cand_front = new_ref, new_cand
     cand_matched |= cand_excused
     ref_matched |= ref_excused
     return int(ref_excused.sum()), int(cand_excused.sum())
@@ -619,6 +734,7 @@ def compare_outputs(
     iou_threshold: float = 0.9,
     min_f1: float = 0.99,
     score_atol: float | None = None,
+    noisy: Sequence = (),
     name: str = "out",
 ) -> Comparison:
     """Compare a model's outputs with the reference's, whatever their structure.
@@ -629,15 +745,22 @@ def compare_outputs(
     tensor; ``tolerances`` overrides them per output, keyed by its full path
     ("out[1]", "out['logits']") or its last index or key (1, "logits"); the full path
     wins. A key that names no output is an error, so a typo cannot go unnoticed.
+    ``noisy``: the reference model's outputs under rounding noise, structured like
+    ``reference`` (``reference_under_noise``), for ``compare_detections``.
     """
     tolerances = dict(tolerances or {})
     result = Comparison()
     used: set = set()
 
-    def visit(path: str, last, ref, cand) -> None:
+    def visit(path: str, last, ref, cand, noisy: list) -> None:
         if is_detection_list(ref):
             result.outputs[path] = compare_detections(
-                ref, cand, iou_threshold=iou_threshold, min_f1=min_f1, score_atol=score_atol
+                ref,
+                cand,
+                iou_threshold=iou_threshold,
+                min_f1=min_f1,
+                score_atol=score_atol,
+                noisy=noisy,
             )
         elif isinstance(ref, Mapping):
             if not isinstance(cand, Mapping):
@@ -649,7 +772,7 @@ def compare_outputs(
                 )
             else:
                 for key in ref:
-                    visit(f"{path}[{key!r}]", key, ref[key], cand[key])
+                    visit(f"{path}[{key!r}]", key, ref[key], cand[key], [n[key] for n in noisy])
         elif isinstance(ref, (list, tuple)):
             if not isinstance(cand, (list, tuple)):
                 result.reasons.append(f"{path}: expected a sequence, got {type(cand).__name__}")
@@ -657,7 +780,7 @@ def compare_outputs(
                 result.reasons.append(f"{path}: {len(cand)} items, the reference has {len(ref)}")
             else:
                 for index, (r, c) in enumerate(zip(ref, cand, strict=True)):
-                    visit(f"{path}[{index}]", index, r, c)
+                    visit(f"{path}[{index}]", index, r, c, [n[index] for n in noisy])
         elif isinstance(ref, _TENSOR_LIKE):
             if not isinstance(cand, _TENSOR_LIKE):
                 result.reasons.append(f"{path}: expected a tensor, got {type(cand).__name__}")
@@ -680,7 +803,7 @@ def compare_outputs(
                 "expected tensors, numbers, strings, None, or tuples, lists and dicts of them"
             )
 
-    visit(name, None, reference, candidate)
+    visit(name, None, reference, candidate, list(noisy))
     unused = set(tolerances) - used
     if unused:
         raise ValueError(
