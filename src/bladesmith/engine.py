@@ -9,9 +9,9 @@ which is timed; it is kept only if it is within tolerance and at least
 
 Candidates are verified and timed as they will run: wrapped by the finisher passes that
 apply to them (a CUDA graph on the GPU), which a finisher's own record then compares
-with the candidate without it. For detectors the model as given also runs under
-rounding noise (``verify.reference_under_noise``): the detections that rounding alone
-flips are not held against a pass.
+with the candidate without it. When a detector's outputs fail the comparison, the model
+as given also runs under rounding noise (``verify.reference_under_noise``), once: the
+detections that rounding alone flips are not held against a pass.
 """
 
 from __future__ import annotations
@@ -131,10 +131,7 @@ def optimize(
 
     best = Candidate(module=working, device=device)
     with progress.step("running the model as given"):
-        reference = _Reference(_outputs(best, context))
-    if contains_detections(reference.outputs):
-        with progress.step("running the model under rounding noise"):
-            reference = _Reference(reference.outputs, _under_noise(working, context))
+        reference = _Reference(_outputs(best, context), working, context)
     baseline = time_candidate(finish(best), "the model as given")
     best_timed = baseline
     records: list[PassRecord] = []
@@ -335,37 +332,46 @@ def _outputs(candidate: Candidate, context: Context) -> list:
     return [module(*args) for args in context.test_args]
 
 
-class _Reference(NamedTuple):
-    """The model's outputs on the test inputs, and for detectors the same under
-    rounding noise: the detections rounding alone flips are not held against a pass."""
+class _Reference:
+    """The model's outputs on the test inputs and, for a detector, the same under
+    rounding noise: the detections that rounding alone flips are not held against a
+    pass. The noisy runs are made the first time a comparison fails without them."""
 
-    outputs: list
-    noisy: Sequence = ()
+    def __init__(self, outputs: list, model: nn.Module, context: Context):
+        self.outputs, self.model, self.context = outputs, model, context
+        self.detects = contains_detections(outputs)
+        self._noisy: list | None = None
 
-
-def _under_noise(working: nn.Module, context: Context) -> list:
-    """``reference_under_noise`` of the model as given; none where it cannot be copied."""
-    try:
-        return reference_under_noise(working, context.test_args)
-    except Exception as error:  # a copy-resistant model is judged without it
-        context.notes.append(f"no rounding-noise reference ({_describe(error)})")
-        return []
+    def noisy(self) -> list:
+        if self._noisy is None:
+            try:
+                with self.context.step("running the model as given under rounding noise"):
+                    self._noisy = reference_under_noise(self.model, self.context.test_args)
+            except Exception as error:  # a model that cannot be copied is judged without
+                self.context.notes.append(f"no rounding-noise runs ({_describe(error)})")
+                self._noisy = []
+        return self._noisy
 
 
 def _compare(reference: _Reference, outputs, dtype: torch.dtype, config: Config) -> Comparison:
     rtol, atol = default_tolerance(dtype)
     rtol = config.rtol if config.rtol is not None else rtol
     atol = config.atol if config.atol is not None else atol
-    return compare_outputs(
-        reference.outputs,
-        outputs,
-        noisy=reference.noisy,
-        rtol=rtol,
-        atol=atol,
-        iou_threshold=config.iou_threshold,
-        min_f1=config.min_f1,
-        score_atol=max(rtol + atol, detection_score_tolerance(dtype)),
-    )
+
+    def compare(noisy) -> Comparison:
+        return compare_outputs(
+            reference.outputs,
+            outputs,
+            noisy=noisy,
+            rtol=rtol,
+            atol=atol,
+            iou_threshold=config.iou_threshold,
+            min_f1=config.min_f1,
+            score_atol=max(rtol + atol, detection_score_tolerance(dtype)),
+        )
+
+    comparison = compare(())
+    return compare(reference.noisy()) if reference.detects and not comparison.passed else comparison
 
 
 def _working_copy(model, device: torch.device) -> tuple[nn.Module, dict]:
