@@ -442,12 +442,8 @@ def compare_detections(
             tie_band,
         )
         ref_flips, cand_flips = _rounding_flips(
-            ref_boxes,
-            ref_labels,
-            cand_boxes,
-            cand_labels,
-            ref_matched,
-            cand_matched,
+            (ref_boxes, ref_labels, ref_matched),
+            (cand_boxes, cand_labels, cand_matched),
             [_as_arrays(run) for run in noisy_runs],
             iou_threshold,
         )
@@ -552,20 +548,13 @@ def _matched_to(boxes, labels, other_boxes, other_labels, iou_threshold: float) 
     return matched
 
 
-def _rounding_flips(
-    ref_boxes,
-    ref_labels,
-    cand_boxes,
-    cand_labels,
-    ref_matched,
-    cand_matched,
-    noisy_runs,
-    iou_threshold: float,
-) -> tuple[np.ndarray, np.ndarray]:
+def _rounding_flips(ref, cand, noisy_runs, iou_threshold: float) -> tuple[np.ndarray, np.ndarray]:
     """Unmatched detections that the reference model itself flips under rounding noise
     (``noisy_runs``: its (boxes, scores, labels) of this image in each noisy run): one
     of the reference's that a run lacks, one of the candidate's that a run has and the
-    reference lacks. Marks them matched (in place) and returns their masks."""
+    reference lacks. ``ref`` and ``cand`` are (boxes, labels, matched) of each list.
+    Marks them matched (in place) and returns their masks."""
+    (ref_boxes, ref_labels, ref_matched), (cand_boxes, cand_labels, cand_matched) = ref, cand
     ref_flips = np.zeros_like(ref_matched)
     cand_flips = np.zeros_like(cand_matched)
     for boxes, _, labels in noisy_runs:
