@@ -48,8 +48,7 @@ def main() -> None:
         )
         with torch.no_grad():
             reference = model(images)
-        noisy = [run[0] for run in reference_under_noise(model, [(images,)])]
-        timed = Timer(warmup, iters, device, batch, noisy)
+        timed = Timer(warmup, iters, device, batch, model)
         found = [timed("eager fp32", model, images, reference)]
         if device.type == "cuda":
             # cuDNN runs float32 convolutions in TF32 by default, the baseline included:
@@ -97,9 +96,10 @@ def without_tf32(fn):
 class Timer:
     """Times one callable on the images and scores its detections against eager fp32's."""
 
-    def __init__(self, warmup: int, iters: int, device, batch: int, noisy=()):
+    def __init__(self, warmup: int, iters: int, device, batch: int, model):
         self.warmup, self.iters, self.device, self.batch = warmup, iters, device, batch
-        self.noisy = noisy  # eager float32's detections under rounding noise
+        self.model = model  # eager float32, whose detections are the reference
+        self.noisy = None  # its detections under rounding noise, made when first needed
 
     def __call__(self, name, fn, images, reference, build=False) -> dict:
         started = time.perf_counter()
@@ -119,7 +119,12 @@ class Timer:
         if build:
             row["build_s"] = first_call_s
         if reference is not None:
-            comparison = compare_detections(reference, outputs, noisy=self.noisy)
+            comparison = compare_detections(reference, outputs)
+            if not comparison.passed:  # as optimize's gate: rounding flips excused too
+                if self.noisy is None:
+                    runs = reference_under_noise(self.model, [(images,)])
+                    self.noisy = [run[0] for run in runs]
+                comparison = compare_detections(reference, outputs, noisy=self.noisy)
             row["f1"] = comparison.f1
             row["strict_f1"] = comparison.strict_f1
             row["max_score_deviation"] = comparison.max_score_deviation
