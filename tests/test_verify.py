@@ -503,3 +503,14 @@ def test_compare_outputs_hands_each_detection_list_its_noisy_twins():
     noisy = [{"dets": [_image([b, low], [0.9, 0.5])], "n": torch.ones(1)}]
     assert not compare_outputs(reference, candidate).passed
     assert compare_outputs(reference, candidate, noisy=noisy).passed
+
+
+def test_a_box_moved_with_its_score_untouched_is_no_near_tie():
+    # One of twenty boxes moved (IoU 0.6 with where it belongs), every score
+    # bit-identical: nothing was rounded, so no NMS choice can have flipped.
+    boxes = [[i * 200.0, 0.0, i * 200.0 + 100.0, 100.0] for i in range(20)]
+    scores = [0.9 - 0.01 * i for i in range(20)]
+    moved = [list(box) for box in boxes]
+    moved[3] = [600.0 + 25.0, 0.0, 700.0 + 25.0, 100.0]
+    result = compare_detections([_image(boxes, scores)], [_image(moved, scores)])
+    assert not result.passed and result.excused == 0, result.summary()

@@ -429,6 +429,8 @@ def compare_detections(
         # A near tie is a gap no wider than twice the largest score change among this
         # image's matched pairs: what the candidate's rounding actually moved, capped by
         # score_atol (the dtype's tolerance is far wider than what bf16 moves scores).
+        # With no score moved at all nothing was rounded: no NMS choice can have flipped
+        # on a tie, and a matched pair's twin elsewhere is a moved box (band 0: no ties).
         tie_band = min(score_atol, 2 * max(score_devs[image_start:], default=0.0))
         ties = _tie_swaps(
             iou,
@@ -515,6 +517,8 @@ def _tie_swaps(
     label, overlapping by at least ``tie_iou``, scores within ``score_atol``. Marks the
     pairs matched (in place) and returns them, (reference, candidate) indices."""
     pairs = []
+    if score_atol <= 0:
+        return pairs
     for i in np.argsort(-ref_scores, kind="stable"):
         if ref_matched[i]:
             continue
@@ -603,7 +607,7 @@ def _near_cut(scores, unmatched, other_scores, score_atol: float) -> int:
     """How many unmatched detections score within ``score_atol`` of the lowest score in
     the other list (its cut): they may lie on either side of it. One scoring further
     below is not excused: the other list should have had room for it."""
-    if not len(other_scores):
+    if not len(other_scores) or score_atol <= 0:
         return 0
     return int((unmatched & (np.abs(scores - other_scores.min()) <= score_atol)).sum())
 
