@@ -480,3 +480,13 @@ def test_detections_that_rounding_noise_flips_are_not_held_against_a_pass(box, k
     (record,) = report.optimizations
     assert (record.status == "kept") is kept, record.reason
     assert spec.passes == ((f"drops_{box}",) if kept else ())
+    assert any("rounding noise" in note for note in report.diagnosis["notes"])
+
+
+def test_the_noise_runs_are_made_only_when_a_comparison_fails():
+    x = torch.tensor([[1.0, 1.0 - 1e-5]])
+    _, spec, report = bladesmith.optimize(
+        Borderline(), device="cpu", test_data=[(x,)], config=QUICK, passes=[Faster()]
+    )
+    assert spec.passes == ("faster",)
+    assert not any("rounding noise" in note for note in report.diagnosis["notes"])

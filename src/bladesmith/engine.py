@@ -347,6 +347,11 @@ class _Reference:
             try:
                 with self.context.step("running the model as given under rounding noise"):
                     self._noisy = reference_under_noise(self.model, self.context.test_args)
+                self.context.notes.append(
+                    f"detections: the model as given ran {len(self._noisy)} more times with "
+                    "its weights moved by rounding noise; what that alone flips is not held "
+                    "against a pass (each pass's accuracy counts what it excused)"
+                )
             except Exception as error:  # a model that cannot be copied is judged without
                 self.context.notes.append(f"no rounding-noise runs ({_describe(error)})")
                 self._noisy = []
