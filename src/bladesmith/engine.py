@@ -115,11 +115,10 @@ def optimize(
 
     def time_candidate(run: _Finished, label: str) -> _Timed:
         """The timing of ``run``: a candidate as it will run, wrapped by its finishers."""
-        candidate, finished_by = run
-        label += f" in {' + '.join(finished_by)}" if finished_by else ""
+        label += run.where
         with progress.step(f"timing {label}"):
             timing = measure(
-                OptimizedModule.from_candidate(candidate),
+                OptimizedModule.from_candidate(run.candidate),
                 test_args[0],
                 warmup=warmup,
                 iters=iters,
@@ -127,7 +126,7 @@ def optimize(
                 batch_size=batch_size,
                 progress=progress.timing_callback(f"timing {label}"),
             )
-        return _Timed(timing, finished_by)
+        return _Timed(timing, run.finished_by)
 
     best = Candidate(module=working, device=device)
     with progress.step("running the model as given"):
@@ -197,6 +196,11 @@ class _Finished(NamedTuple):
     candidate: Candidate
     finished_by: tuple[str, ...]
 
+    @property
+    def where(self) -> str:
+        """ " in cuda_graph" (its finishers, for reasons and labels), or "" without any."""
+        return f" in {' + '.join(self.finished_by)}" if self.finished_by else ""
+
 
 def _finished(candidate: Candidate, finishers: list[Pass], context: Context) -> _Finished:
     """``candidate`` wrapped by each finisher that applies to it and is not in it yet,
@@ -259,9 +263,8 @@ def _try(
         return record("failed", _describe(error)), None, None
     waived = each.changes_precision and config.disable_fp16_accuracy_check
     pre_run = best_timed.timing.p50_ms
-    as_run = f" in {' + '.join(run.finished_by)}" if run.finished_by else ""
     if not accuracy.passed and not waived:
-        reason = f"outputs moved past tolerance{as_run} ({built}; not timed)"
+        reason = f"outputs moved past tolerance{run.where} ({built}; not timed)"
         return record("rejected", reason, pre_run=pre_run, accuracy=accuracy), None, None
     try:
         timed = time_candidate(run, name)
@@ -271,8 +274,8 @@ def _try(
     speedup = pre_run / timing.p50_ms
     fields = dict(pre_run=pre_run, post_run=timing.p50_ms, accuracy=accuracy, timing=timing)
     check = "accuracy check disabled" if not accuracy.passed else "outputs within tolerance"
-    if timed.finished_by:
-        check += f", both timed in {' + '.join(timed.finished_by)}"
+    if run.finished_by:
+        check += f", both timed{run.where}"
     if speedup >= config.min_speedup:
         reason = f"{speedup:.2f}x, {check} ({built})"
     elif each.enabler:

@@ -414,12 +414,7 @@ def compare_detections(
         image_start = len(score_devs)
         ref_matched = np.zeros(len(ref_scores), dtype=bool)
         cand_matched = np.zeros(len(cand_scores), dtype=bool)
-        for i in np.argsort(-ref_scores, kind="stable"):
-            row = np.where(eligible[i], iou[i], -1.0)
-            j = int(row.argmax()) if row.size else -1
-            if j < 0 or row[j] < 0:
-                continue
-            eligible[:, j] = False
+        for i, j in _greedy_pairs(iou, eligible, np.argsort(-ref_scores, kind="stable")):
             ref_matched[i] = cand_matched[j] = True
             result.matched += 1
             ious.append(iou[i, j])
@@ -535,21 +530,28 @@ def _tie_swaps(
     return pairs
 
 
-def _matched_to(boxes, labels, other_boxes, other_labels, iou_threshold: float) -> np.ndarray:
-    """Which of ``boxes`` a detection of ``other_boxes`` matches (same label, IoU at
-    least ``iou_threshold``), one to one, greedily by overlap."""
+def _greedy_pairs(iou, eligible, order):
+    """One-to-one pairs (i, j): each row i, in ``order``, takes the eligible column of
+    highest IoU that no earlier row took. Consumes ``eligible``."""
+    for i in order:
+        row = np.where(eligible[i], iou[i], -1.0)
+        j = int(row.argmax()) if row.size else -1
+        if j >= 0 and row[j] >= 0:
+            eligible[:, j] = False
+            yield i, j
+
+
+def _matches(first, second, iou_threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """Which detections of ``first`` and of ``second`` (each (boxes, labels)) match one
+    another: same label, IoU at least ``iou_threshold``, one to one, greedily by overlap."""
+    (boxes, labels), (other_boxes, other_labels) = first, second
     matched = np.zeros(len(boxes), dtype=bool)
-    if not len(boxes) or not len(other_boxes):
-        return matched
+    other_matched = np.zeros(len(other_boxes), dtype=bool)
     iou = _box_iou(boxes, other_boxes)
     eligible = (labels[:, None] == other_labels[None, :]) & (iou >= iou_threshold)
-    for i in range(len(boxes)):
-        row = np.where(eligible[i], iou[i], -1.0)
-        j = int(row.argmax())
-        if row[j] >= 0:
-            matched[i] = True
-            eligible[:, j] = False
-    return matched
+    for i, j in _greedy_pairs(iou, eligible, range(len(boxes))):
+        matched[i] = other_matched[j] = True
+    return matched, other_matched
 
 
 def _rounding_flips(ref, cand, noisy_runs, iou_threshold: float) -> tuple[np.ndarray, np.ndarray]:
@@ -562,13 +564,12 @@ def _rounding_flips(ref, cand, noisy_runs, iou_threshold: float) -> tuple[np.nda
     ref_flips = np.zeros_like(ref_matched)
     cand_flips = np.zeros_like(cand_matched)
     for boxes, _, labels in noisy_runs:
-        ref_flips |= ~ref_matched & ~_matched_to(
-            ref_boxes, ref_labels, boxes, labels, iou_threshold
+        kept, found = _matches((ref_boxes, ref_labels), (boxes, labels), iou_threshold)
+        ref_flips |= ~ref_matched & ~kept
+        brought, _ = _matches(
+            (cand_boxes, cand_labels), (boxes[~found], labels[~found]), iou_threshold
         )
-        appeared = ~_matched_to(boxes, labels, ref_boxes, ref_labels, iou_threshold)
-        cand_flips |= ~cand_matched & _matched_to(
-            cand_boxes, cand_labels, boxes[appeared], labels[appeared], iou_threshold
-        )
+        cand_flips |= ~cand_matched & brought
     ref_matched |= ref_flips
     cand_matched |= cand_flips
     return ref_flips, cand_flips
