@@ -21,6 +21,7 @@ _EXPORTS = {
     "plan_providers": ("bladesmith.onnx.runtime", "plan_providers"),
     "check": ("bladesmith.onnx.check", "check"),
     "fix": ("bladesmith.onnx.fix", "fix"),
+    "register_op": ("bladesmith.onnx.user_ops", "register_op"),
 }
 
 __all__ = list(_EXPORTS)

@@ -11,6 +11,7 @@ operators. The file is written next to its destination, shape-inferred and check
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -19,7 +20,8 @@ from pathlib import Path
 import torch
 
 from bladesmith.errors import BladesmithError
-from bladesmith.onnx import symbolic
+from bladesmith.onnx import symbolic, user_ops
+from bladesmith.ops import libraries
 
 # Protocol buffers cannot be serialised past 2 GiB; keep a margin for the graph itself.
 _EXTERNAL_DATA_THRESHOLD = 1.8 * 2**30
@@ -43,6 +45,7 @@ def export(
     operators with the same fixed-shape outputs, for any ONNX Runtime provider and
     TensorRT. Weights go to ``<path>.data`` when ``external_data`` is True, or when it
     is None and they are too large for one protobuf (2 GiB). Returns ``path``.
+    The user's own operators need a translation (``bladesmith.onnx.register_op``).
     """
     from bladesmith import ops
 
@@ -53,6 +56,8 @@ def export(
         raise BladesmithError(f"{path}: an ONNX file name must end in .onnx")
     path.parent.mkdir(parents=True, exist_ok=True)
     ops.load_library()
+    if isinstance(model, torch.jit.ScriptModule):  # its graph names them: check first
+        user_ops.check_translations(libraries.operators_called(model))
     workdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         raw = workdir / "raw.onnx"
@@ -66,7 +71,13 @@ def export(
 
 def _torch_export(model, args, raw: Path, opset, custom_ops, input_names, output_names):
     custom_opsets = {symbolic.DOMAIN: symbolic.DOMAIN_VERSION} if custom_ops == "domain" else {}
-    with symbolic.registered(custom_ops, opset), warnings.catch_warnings(), torch.no_grad():
+    with (
+        symbolic.registered(custom_ops, opset),
+        user_ops.registered(opset) as user_opsets,
+        warnings.catch_warnings(),
+        torch.no_grad(),
+    ):
+        custom_opsets = {**user_opsets, **custom_opsets}
         # The TorchScript exporter is chosen deliberately (see the module docstring).
         warnings.simplefilter("ignore", DeprecationWarning)
         try:
@@ -83,12 +94,28 @@ def _torch_export(model, args, raw: Path, opset, custom_ops, input_names, output
             )
         except BladesmithError:
             raise
+        except torch.onnx.errors.UnsupportedOperatorError as error:
+            name = _unsupported_operator(str(error))
+            if name is None or not libraries.is_user_operator(name):
+                raise _export_error(error, opset) from error
+            raise BladesmithError(user_ops.missing_translation_message(name)) from None
         except Exception as error:  # the exporter's own errors, re-said with what to do
-            raise BladesmithError(
-                f"torch.onnx.export failed ({type(error).__name__}: {error}). The model must "
-                "trace with fixed-shape tensor inputs, and each of its operators needs an ONNX "
-                f"translation at opset {opset} (a newer opset may have it)"
-            ) from error
+            raise _export_error(error, opset) from error
+
+
+def _export_error(error: Exception, opset: int) -> BladesmithError:
+    """The exporter's own error, re-said with what to do."""
+    return BladesmithError(
+        f"torch.onnx.export failed ({type(error).__name__}: {error}). The model must "
+        "trace with fixed-shape tensor inputs, and each of its operators needs an ONNX "
+        f"translation at opset {opset} (a newer opset may have it)"
+    )
+
+
+def _unsupported_operator(message: str) -> str | None:
+    """The operator an exporter's "unrecognized namespace" error names."""
+    match = re.search(r"unrecognized namespace (\S+::\S+?)\.?(\s|$)", message)
+    return match.group(1) if match else None
 
 
 def _finish(raw: Path, out: Path, external_data: bool | None) -> None:
@@ -96,6 +123,10 @@ def _finish(raw: Path, out: Path, external_data: bool | None) -> None:
     import onnx
 
     model = onnx.load(str(raw))  # loads any external data the exporter wrote
+    custom_nodes = user_ops.custom_nodes_metadata(model)
+    if custom_nodes is not None:
+        entry = model.metadata_props.add()
+        entry.key, entry.value = user_ops.METADATA_KEY, custom_nodes
     if external_data is None:
         weight_bytes = sum(t.ByteSize() for t in model.graph.initializer)
         external_data = weight_bytes > _EXTERNAL_DATA_THRESHOLD

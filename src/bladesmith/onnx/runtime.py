@@ -214,30 +214,42 @@ def session(
         if name == "execution_mode":
             value = getattr(ort.ExecutionMode, value)
         setattr(options, name, value)
-    if _uses_custom_domain(path):
-        options.register_custom_ops_library(_contrib_library(path))
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    if _uses_custom_domain(model):
+        options.register_custom_ops_library(_contrib_library(model, path))
     inference_session = ort.InferenceSession(
         str(path), sess_options=options, providers=plan.providers
     )
     return Session(inference_session, plan)
 
 
-def _uses_custom_domain(path: Path) -> bool:
-    import onnx
-
+def _uses_custom_domain(model) -> bool:
     from bladesmith.onnx.symbolic import DOMAIN
 
-    model = onnx.load(str(path), load_external_data=False)
     return any(opset.domain == DOMAIN for opset in model.opset_import)
 
 
-def _contrib_library(path: Path) -> str:
+def _contrib_library(model, path: Path) -> str:
+    """onnxruntime-extensions' library, once the Python operators that ``model``'s
+    custom nodes need are registered: bladesmith's, and the user's (``register_op``)."""
+    from bladesmith.onnx.symbolic import OP_TYPES
+
     try:
+        from onnxruntime_extensions import get_library_path
+
+        from bladesmith.onnx import user_ops
+
+        user_ops.prepare_session(model, str(path))
+        if not any(node.op_type in OP_TYPES.values() for node in model.graph.node):
+            return get_library_path()
         from bladesmith.onnx import contrib_ops
     except ImportError as error:
         raise BladesmithError(
-            f"{path} has bladesmith operators (exported with custom_ops='domain'), which run "
-            f"through onnxruntime-extensions, and it cannot be imported ({error}): pip install "
-            "onnxruntime-extensions, or re-export with custom_ops='standard'"
+            f"{path} has custom operators (exported with custom_ops='domain' or "
+            "register_op's custom nodes), which run through onnxruntime-extensions, and it "
+            f"cannot be imported ({error}): pip install onnxruntime-extensions, or re-export "
+            "with custom_ops='standard'"
         ) from error
     return contrib_ops.library_path()

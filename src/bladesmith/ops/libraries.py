@@ -1,0 +1,238 @@
+"""The user's operator libraries: shared libraries that register operators with
+``TORCH_LIBRARY(namespace, m)``, loaded with ``torch.ops.load_library`` (or
+``--load-library`` on the command line).
+
+bladesmith finds the operators a model calls outside torch's and its own namespaces,
+attributes each namespace to a loaded library (the library whose binary holds the
+namespace and the operator names: the registration strings ``TORCH_LIBRARY`` compiles
+in), copies those libraries beside a saved artifact and loads them again with it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from bladesmith.errors import BladesmithError
+
+# Namespaces that come with torch, torchvision and bladesmith: never the user's.
+_BUILTIN_NAMESPACES = frozenset(
+    {
+        "aten",
+        "prim",
+        "prims",
+        "onnx",
+        "quantized",
+        "_quantized",
+        "mkldnn",
+        "mkl",
+        "cudnn",
+        "profiler",
+        "debugprims",
+        "rngprims",
+        "higher_order",
+        "inductor",
+        "c10d",
+        "_c10d_functional",
+        "_dtensor",
+        "torchvision",
+        "image",
+        "bladesmith",
+        "bladesmith_winograd",
+    }
+)
+LIBRARY_FLAG = "--load-library"
+# Where a saved artifact's libraries go: a folder beside it, "<artifact>.libs".
+_FOLDER_SUFFIX = ".libs"
+_UNKNOWN_OP = re.compile(r"Unknown builtin op: (?P<op>[\w.]+::[\w.]+)")
+
+
+@dataclass(frozen=True)
+class Library:
+    """A loaded library and the operators of the model that come from it."""
+
+    path: Path
+    operators: tuple[str, ...]  # qualified names, "myops::scale_clip"
+
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        return tuple(sorted({op.split("::")[0] for op in self.operators}))
+
+
+def load(path: str | os.PathLike) -> Path:
+    """Load one operator library (``torch.ops.load_library``); a missing or unloadable
+    file is one line naming it."""
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise BladesmithError(f"{LIBRARY_FLAG} {path}: no such file")
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as error:
+        raise BladesmithError(f"{LIBRARY_FLAG} {path}: cannot load it ({error})") from error
+    return path
+
+
+def load_all(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    return [load(path) for path in paths]
+
+
+def is_user_operator(name: str) -> bool:
+    namespace, _, _ = name.partition("::")
+    return "::" in name and namespace not in _BUILTIN_NAMESPACES
+
+
+def operators_called(module, example_args: tuple | None = None) -> set[str]:
+    """The user's operators ``module`` calls: from the graph of a TorchScript module or
+    an exported program, else recorded while it runs on ``example_args``."""
+    if isinstance(module, torch.export.ExportedProgram):
+        module = module.graph_module
+    if isinstance(module, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):
+        graph = module.inlined_graph if hasattr(module, "inlined_graph") else module.graph
+        names = _graph_kinds(graph)
+    elif isinstance(module, torch.fx.GraphModule):
+        names = {_qualified(node.target) for node in module.graph.nodes}
+    elif example_args is not None:
+        names = _recorded(module, example_args)
+    else:
+        names = set()
+    return {name for name in names if name and is_user_operator(name)}
+
+
+def _graph_kinds(graph) -> set[str]:
+    kinds = set()
+    for node in graph.nodes():
+        kinds.add(node.kind())
+        for block in node.blocks():
+            kinds |= _graph_kinds(block)
+    return kinds
+
+
+def _qualified(target) -> str | None:
+    schema = getattr(target, "_schema", None)
+    return schema.name if schema is not None else None
+
+
+def _recorded(module, example_args: tuple) -> set[str]:
+    """The operators a call of ``module`` dispatches, seen by a dispatch mode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: set[str] = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Record():
+        module(*example_args)
+    return seen
+
+
+def has_fake_kernel(name: str) -> bool:
+    """Whether operator ``name`` can run on fake tensors (``torch.library.register_fake``
+    or a Meta kernel): what ``torch.export`` and Inductor need to trace through it."""
+    from torch._library import simple_registry
+
+    entry = simple_registry.singleton.find(name)
+    if entry.fake_impl.kernel is not None:
+        return True
+    return any(
+        torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+        for key in ("Meta", "CompositeImplicitAutograd", "CompositeExplicitAutograd")
+    )
+
+
+def without_fake_kernel(operators: Iterable[str]) -> list[str]:
+    return sorted(name for name in operators if not has_fake_kernel(name))
+
+
+def libraries_of(operators: Iterable[str]) -> list[Library]:
+    """The loaded libraries (``torch.ops.loaded_libraries``) the operators come from.
+    Operators registered from Python (``torch.library``) belong to no library and are
+    left out: the code that registers them must run again where the model loads."""
+    by_path: dict[Path, list[str]] = {}
+    for name in sorted(operators):
+        path = _library_defining(name)
+        if path is not None:
+            by_path.setdefault(path, []).append(name)
+    return [Library(path, tuple(names)) for path, names in by_path.items()]
+
+
+def _library_defining(name: str) -> Path | None:
+    namespace, _, op = name.partition("::")
+    op = op.split(".")[0]
+    for loaded in sorted(torch.ops.loaded_libraries):
+        strings = _strings(loaded, os.path.getmtime(loaded))
+        if namespace.encode() in strings and op.encode() in strings:
+            return Path(loaded)
+    return None
+
+
+@lru_cache(maxsize=32)
+def _strings(path: str, mtime: float) -> frozenset[bytes]:
+    """The identifier-like strings in a binary (its registration names among them)."""
+    data = Path(path).read_bytes()
+    return frozenset(re.findall(rb"[A-Za-z_][A-Za-z0-9_]{2,}", data))
+
+
+def folder_beside(artifact: str | os.PathLike) -> Path:
+    artifact = Path(artifact)
+    return artifact.with_name(artifact.name + _FOLDER_SUFFIX)
+
+
+def store(libraries: list[Library], artifact: Path) -> list[dict]:
+    """Copy ``libraries`` into the folder beside ``artifact``; their metadata entries."""
+    folder = folder_beside(artifact)
+    if folder.exists():
+        shutil.rmtree(folder)
+    if not libraries:
+        return []
+    folder.mkdir(parents=True)
+    names = set()
+    entries = []
+    for library in libraries:
+        name = library.path.name
+        if name in names:
+            raise BladesmithError(f"save: two operator libraries named {name}; rename one")
+        names.add(name)
+        shutil.copy2(library.path, folder / name)
+        entries.append({"file": name, "operators": list(library.operators)})
+    return entries
+
+
+def restore(entries: list[dict], artifact: Path) -> None:
+    """Load the libraries an artifact was saved with, unless their operators are loaded
+    already (the user loaded them); a missing one is one line naming it and the flag."""
+    folder = folder_beside(artifact)
+    for entry in entries:
+        if all(_registered(op) for op in entry["operators"]):
+            continue
+        path = folder / entry["file"]
+        if not path.is_file():
+            raise BladesmithError(missing_message(artifact, entry["operators"][0], entry["file"]))
+        load(path)
+
+
+def _registered(name: str) -> bool:
+    return bool(torch._C._jit_get_schemas_for_operator(name))
+
+
+def missing_message(artifact, operator: str, library: str | None) -> str:
+    source = f" from {library}" if library else ""
+    return (
+        f"{artifact}: operator {operator} is not loaded; load its library{source} with "
+        f"{LIBRARY_FLAG} PATH (Python: torch.ops.load_library(PATH)) before loading the model"
+    )
+
+
+def unknown_operator(error: BaseException) -> str | None:
+    """The operator named by TorchScript's "Unknown builtin op" error, if it is that."""
+    match = _UNKNOWN_OP.search(str(error))
+    return match.group("op") if match else None
