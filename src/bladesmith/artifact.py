@@ -9,6 +9,9 @@ All keep bladesmith's metadata (device, output form), so ``load`` gives back the
 call signature and output structure. Files are written to a temporary name beside the
 target, then renamed: a crash never leaves half a file. Custom operators are loaded
 (``bladesmith.ops.load_library()``) before the artifact, which refers to them by name.
+The user's operator libraries that the model calls (``ops/libraries.py``) are copied
+into ``<artifact>.libs/`` beside it and loaded again by ``load``; a format that needs
+operators to run on fake tensors (``.pt2``) is refused for those that cannot.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.utils import _pytree as pytree
 from bladesmith.bench import iter_tensors
 from bladesmith.errors import BladesmithError
 from bladesmith.models.images import as_batch
+from bladesmith.ops import libraries
 from bladesmith.passes.onnxruntime import cpu_runner, export_onnx
 from bladesmith.passes.torchscript import freeze, quiet_torchscript
 from bladesmith.spec import AOTI_SUFFIX, SAVE_FORMATS, TORCHSCRIPT_SUFFIX, Spec
@@ -163,7 +167,11 @@ def save(optimized: OptimizedModule, path: str | os.PathLike, *, inductor_config
         known = ", ".join(f"{suffix} ({SAVE_FORMATS[suffix]})" for suffix in formats)
         raise BladesmithError(f"save: path {str(path)!r} must end with one of: {known}")
     module, args = optimized.candidate.module, optimized.example_args
+    operators = libraries.operators_called(module, args)
+    if path.suffix == AOTI_SUFFIX:
+        _check_fake_kernels(operators, path)
     metadata = _metadata(optimized)
+    metadata["libraries"] = libraries.store(libraries.libraries_of(operators), path)
     if path.suffix == AOTI_SUFFIX:
         exported = torch.export.export(module, args, strict=False)
         configs = {
@@ -198,6 +206,7 @@ def load(path: str | os.PathLike) -> OptimizedModule:
         known = ", ".join(SAVE_FORMATS)
         raise BladesmithError(f"load: {str(path)!r} has an unknown suffix; expected {known}")
     ops_error = _load_custom_ops()
+    libraries.restore(path)
     try:
         if path.suffix == AOTI_SUFFIX:
             run = torch._inductor.aoti_load_package(str(path))
@@ -210,6 +219,9 @@ def load(path: str | os.PathLike) -> OptimizedModule:
         else:
             run, metadata = _read_onnx(path)
     except (RuntimeError, OSError, BladesmithError) as error:
+        missing = libraries.missing_operator_error(error, path, _peek_libraries(path))
+        if missing is not None:
+            raise missing from None
         hint = f" (bladesmith's custom operators did not load: {ops_error})" if ops_error else ""
         raise BladesmithError(f"load: cannot load {str(path)!r}: {error}{hint}") from error
     if metadata is None:
@@ -226,6 +238,32 @@ def load(path: str | os.PathLike) -> OptimizedModule:
         output=info["output"],
         spec=Spec.from_dict(info["spec"]),
     )
+
+
+def _check_fake_kernels(operators, path: Path) -> None:
+    lacking = libraries.without_fake_kernel(operators)
+    if lacking:
+        raise BladesmithError(
+            f"save: {path.suffix} needs torch.export, which cannot trace {', '.join(lacking)} "
+            "(no fake kernel: register one with torch.library.register_fake); save as "
+            f"{TORCHSCRIPT_SUFFIX} instead"
+        )
+
+
+def _peek_libraries(path: Path) -> list[dict]:
+    """The ``libraries`` entries of a TorchScript artifact's metadata, read without
+    loading the module (which fails when they are missing)."""
+    import zipfile
+
+    if path.suffix != TORCHSCRIPT_SUFFIX or not zipfile.is_zipfile(path):
+        return []
+    with zipfile.ZipFile(path) as archive:
+        name = next(
+            (n for n in archive.namelist() if n.endswith(f"/extra/{_TORCHSCRIPT_EXTRA}")), None
+        )
+        if name is None:
+            return []
+        return json.loads(archive.read(name)).get("libraries", [])
 
 
 def _metadata(optimized: OptimizedModule) -> dict:

@@ -212,7 +212,9 @@ def prepare_session(model, source: str) -> bool:
         return False
     types = _value_types(model)
     for entry in entries:
-        nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == entry["op_type"]]
+        nodes = [
+            n for n in model.graph.node if n.domain == DOMAIN and n.op_type == entry["op_type"]
+        ]
         if nodes:
             _register_ort(entry, nodes[0], types, source)
     return True

@@ -10,6 +10,7 @@ in), copies those libraries beside a saved artifact and loads them again with it
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -51,6 +52,7 @@ _BUILTIN_NAMESPACES = frozenset(
 LIBRARY_FLAG = "--load-library"
 # Where a saved artifact's libraries go: a folder beside it, "<artifact>.libs".
 _FOLDER_SUFFIX = ".libs"
+_INDEX = "libraries.json"
 _UNKNOWN_OP = re.compile(r"Unknown builtin op: (?P<op>[\w.]+::[\w.]+)")
 
 
@@ -188,51 +190,60 @@ def folder_beside(artifact: str | os.PathLike) -> Path:
 
 
 def store(libraries: list[Library], artifact: Path) -> list[dict]:
-    """Copy ``libraries`` into the folder beside ``artifact``; their metadata entries."""
+    """Copy ``libraries`` into the folder beside ``artifact``, with an index of what each
+    one registers (``restore`` reads it before the artifact); their metadata entries."""
     folder = folder_beside(artifact)
     if folder.exists():
         shutil.rmtree(folder)
     if not libraries:
         return []
+    names = [library.path.name for library in libraries]
+    if len(set(names)) < len(names):
+        raise BladesmithError(f"save: two operator libraries share a file name ({names})")
     folder.mkdir(parents=True)
-    names = set()
     entries = []
     for library in libraries:
-        name = library.path.name
-        if name in names:
-            raise BladesmithError(f"save: two operator libraries named {name}; rename one")
-        names.add(name)
-        shutil.copy2(library.path, folder / name)
-        entries.append({"file": name, "operators": list(library.operators)})
+        shutil.copy2(library.path, folder / library.path.name)
+        entries.append({"file": library.path.name, "operators": list(library.operators)})
+    (folder / _INDEX).write_text(json.dumps(entries, indent=2) + "\n")
     return entries
 
 
-def restore(entries: list[dict], artifact: Path) -> None:
-    """Load the libraries an artifact was saved with, unless their operators are loaded
-    already (the user loaded them); a missing one is one line naming it and the flag."""
-    folder = folder_beside(artifact)
-    for entry in entries:
-        if all(_registered(op) for op in entry["operators"]):
-            continue
-        path = folder / entry["file"]
-        if not path.is_file():
-            raise BladesmithError(missing_message(artifact, entry["operators"][0], entry["file"]))
-        load(path)
+def restore(artifact: Path) -> None:
+    """Load the libraries saved beside ``artifact``, unless their operators are loaded
+    already (the user loaded them: a second copy would register them twice)."""
+    index = folder_beside(artifact) / _INDEX
+    if not index.is_file():
+        return
+    for entry in json.loads(index.read_text()):
+        if not all(_registered(op) for op in entry["operators"]):
+            load(index.parent / entry["file"])
 
 
 def _registered(name: str) -> bool:
     return bool(torch._C._jit_get_schemas_for_operator(name))
 
 
-def missing_message(artifact, operator: str, library: str | None) -> str:
-    source = f" from {library}" if library else ""
+def missing_message(source, operator: str, library: str | None = None) -> str:
+    """One line: ``source`` needs ``operator``, from ``library`` when known."""
+    origin = f" ({library})" if library else ""
     return (
-        f"{artifact}: operator {operator} is not loaded; load its library{source} with "
-        f"{LIBRARY_FLAG} PATH (Python: torch.ops.load_library(PATH)) before loading the model"
+        f"{source}: operator {operator} is not loaded; pass its library{origin} with "
+        f"{LIBRARY_FLAG} PATH (Python: torch.ops.load_library(PATH) first)"
     )
 
 
-def unknown_operator(error: BaseException) -> str | None:
-    """The operator named by TorchScript's "Unknown builtin op" error, if it is that."""
+def library_named(entries: list[dict], operator: str) -> str | None:
+    """The file that registers ``operator``, from an artifact's ``libraries`` entries."""
+    return next((e["file"] for e in entries if operator in e["operators"]), None)
+
+
+def missing_operator_error(error: BaseException, source, entries=()) -> BladesmithError | None:
+    """For TorchScript's "Unknown builtin op" ``error`` while loading ``source``: the one
+    line naming the operator, its library when ``entries`` (an artifact's) know it, and
+    the flag; None for any other error."""
     match = _UNKNOWN_OP.search(str(error))
-    return match.group("op") if match else None
+    if match is None:
+        return None
+    operator = match.group("op")
+    return BladesmithError(missing_message(source, operator, library_named(entries, operator)))
