@@ -385,7 +385,7 @@ def _compare(reference: _Reference, outputs, dtype: torch.dtype, config: Config)
 def _working_copy(model, device: torch.device) -> tuple[nn.Module, dict]:
     """A private copy of ``model`` in eval mode on ``device``, and what it is."""
     if isinstance(model, (str, os.PathLike)):
-        module, kind = _load_model_file(model), None
+        module, kind = load_model_file(model), None
     elif isinstance(model, torch.export.ExportedProgram):
         module, kind = copy.deepcopy(model.module()), "torch.export program"
     elif isinstance(model, nn.Module):
@@ -417,7 +417,8 @@ def _working_copy(model, device: torch.device) -> tuple[nn.Module, dict]:
     return module, info
 
 
-def _load_model_file(path) -> nn.Module:
+def load_model_file(path) -> nn.Module:
+    """The module in a TorchScript (.pt) or torch.export (.pt2) file, on the CPU."""
     from bladesmith.errors import BladesmithError
     from bladesmith.passes.torchscript import quiet_torchscript
 
@@ -436,8 +437,13 @@ def _load_model_file(path) -> nn.Module:
                 f"model: {path!r} is not a torch.export program ({_describe(error)}); "
                 "an AOTInductor package is already compiled: load it with bladesmith.load"
             ) from error
-    with quiet_torchscript():
-        return torch.jit.load(path, map_location="cpu")
+    try:
+        with quiet_torchscript():
+            return torch.jit.load(path, map_location="cpu")
+    except RuntimeError as error:
+        raise BladesmithError(
+            f"model: {path!r} is not a loadable TorchScript file ({_describe(error)})"
+        ) from error
 
 
 def _entries(test_data) -> list[tuple]:
