@@ -34,9 +34,12 @@ from bladesmith.artifact import OptimizedModule
 from bladesmith.bench import Timing, measure
 from bladesmith.config import Config, check_level
 from bladesmith.devices import resolve_device
+from bladesmith.onnx import user_ops
+from bladesmith.ops import libraries
 from bladesmith.passes import registry
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, PassSkipped
+from bladesmith.passes.torchscript import is_torchscript
 from bladesmith.report import PassRecord, Report, hardware_context, software_context
 from bladesmith.spec import (
     AOTI_SUFFIX,
@@ -130,7 +133,9 @@ def optimize(
 
     best = Candidate(module=working, device=device)
     with progress.step("running the model as given"):
-        reference = _Reference(_outputs(best, context), working, context)
+        with libraries.recording() as dispatched:
+            reference = _Reference(_outputs(best, context), working, context)
+    context.user_operators = frozenset(filter(libraries.is_user_operator, dispatched))
     baseline = time_candidate(finish(best), "the model as given")
     best_timed = baseline
     records: list[PassRecord] = []
@@ -302,8 +307,11 @@ def _skip_reason(each: Pass, candidate: Candidate, context: Context) -> str | No
         return f"not part of level {context.level} (it is in {levels}; or Config(include=...))"
     if context.device.type not in each.devices:
         return f"runs on {', '.join(each.devices)}; the device is {context.device.type}"
-    if each.rewrites_modules and isinstance(candidate.module, torch.jit.ScriptModule):
-        return "TorchScript modules cannot be rewritten; give optimize the nn.Module"
+    if each.rewrites_modules and is_torchscript(candidate.module):
+        return (
+            "a TorchScript module's layers cannot be rewritten (the torchscript pass folds "
+            "its batch norms: torch.jit.freeze + optimize_for_inference)"
+        )
     return each.skip_reason(candidate, context)
 
 
@@ -441,6 +449,11 @@ def load_model_file(path) -> nn.Module:
         with quiet_torchscript():
             return torch.jit.load(path, map_location="cpu")
     except RuntimeError as error:
+        from bladesmith.ops import libraries
+
+        missing = libraries.missing_operator_error(error, f"model {path}")
+        if missing is not None:
+            raise missing from None
         raise BladesmithError(
             f"model: {path!r} is not a loadable TorchScript file ({_describe(error)})"
         ) from error
@@ -489,13 +502,15 @@ def _spec(best: Candidate, context: Context) -> Spec:
         output=output,
         passes=best.applied,
         backend=best.backend,
-        save_formats=_save_formats(best, context.device),
+        save_formats=_save_formats(best, context),
     )
 
 
-def _save_formats(best: Candidate, device: torch.device) -> tuple[str, ...]:
-    """The formats ``save`` can write, the one closest to what runs first."""
-    if isinstance(best.module, torch.jit.ScriptModule):
+def _save_formats(best: Candidate, context: Context) -> tuple[str, ...]:
+    """The formats ``save`` can write, the one closest to what runs first. Those the
+    user's operators rule out are left out, with a note saying why."""
+    device = context.device
+    if is_torchscript(best.module):
         formats = [TORCHSCRIPT_SUFFIX]
     elif device.type == "cuda":
         formats = [AOTI_SUFFIX, TORCHSCRIPT_SUFFIX]
@@ -504,6 +519,20 @@ def _save_formats(best: Candidate, device: torch.device) -> tuple[str, ...]:
     if device.type == "cpu":
         position = 0 if best.backend == "onnxruntime" else len(formats)
         formats.insert(position, ONNX_SUFFIX)
+    lacking = libraries.without_fake_kernel(context.user_operators)
+    if lacking and AOTI_SUFFIX in formats:
+        formats.remove(AOTI_SUFFIX)
+        context.notes.append(
+            f"not saved as {AOTI_SUFFIX}: torch.export cannot trace {', '.join(lacking)} (no "
+            "fake kernel; torch.library.register_fake gives one)"
+        )
+    untranslated = sorted(op for op in context.user_operators if not user_ops.translation(op))
+    if untranslated and ONNX_SUFFIX in formats:
+        formats.remove(ONNX_SUFFIX)
+        context.notes.append(
+            f"not saved as {ONNX_SUFFIX}: {', '.join(untranslated)} has no ONNX translation "
+            "(bladesmith.onnx.register_op gives one)"
+        )
     return tuple(formats)
 
 

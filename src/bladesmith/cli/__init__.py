@@ -39,6 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _load_libraries(args) -> None:
+    """The user's operator libraries and ONNX translations (``cli.args.add_library_options``)."""
+    if getattr(args, "load_library", None):
+        from bladesmith.ops import libraries
+
+        libraries.load_all(args.load_library)
+    for name in getattr(args, "onnx_op", None) or ():
+        from bladesmith.onnx import register_op
+
+        register_op(name)
+
+
 def main(argv: list[str] | None = None) -> int:
     from bladesmith.errors import BladesmithError
 
@@ -48,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        _load_libraries(args)
         return int(args.func(args) or 0)
     except BladesmithError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -29,3 +29,29 @@ def at_least(minimum: int):
         return value
 
     return parse
+
+
+def add_library_options(parser: argparse.ArgumentParser) -> None:
+    """``--load-library PATH`` (repeatable): the user's operator libraries, loaded
+    (``torch.ops.load_library``) before the command reads a model; ``--onnx-op NAME``
+    (repeatable): such an operator exported to ONNX as a custom node that ONNX Runtime
+    runs with its PyTorch kernel (``bladesmith.onnx.register_op(NAME)``). ``main``
+    applies both before the command runs."""
+    parser.add_argument(
+        "--load-library",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a shared library of the model's own operators (TORCH_LIBRARY); repeatable",
+    )
+    parser.add_argument(
+        "--onnx-op",
+        action="append",
+        default=[],
+        metavar="NAMESPACE::OP",
+        help=(
+            "export this operator to ONNX as a custom node run by its PyTorch kernel "
+            "(Python: bladesmith.onnx.register_op, which also takes onnxscript lowerings); "
+            "repeatable"
+        ),
+    )

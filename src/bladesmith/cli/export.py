@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from bladesmith.cli.args import at_least, input_size
+from bladesmith.cli.args import add_library_options, at_least, input_size
 from bladesmith.cli.models import BUILTIN_MODELS, DEFAULT_MODEL, MODEL_HELP
 
 DETECTION_OUTPUTS = ["boxes", "scores", "labels", "num_detections"]
@@ -61,6 +61,7 @@ def add_parser(subparsers) -> None:
         action="store_true",
         help="write the weights to OUT.data (automatic past 2 GiB)",
     )
+    add_library_options(parser)
     parser.set_defaults(func=run)
 
 

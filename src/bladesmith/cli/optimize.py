@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from bladesmith.cli.args import at_least, input_size
+from bladesmith.cli.args import add_library_options, at_least, input_size
 from bladesmith.cli.models import DEFAULT_MODEL, MODEL_HELP, model_or_file
 
 DEFAULT_INPUT_SIZE = (480, 640)
@@ -40,6 +40,7 @@ def add_parser(subparsers) -> None:
         "--weights", metavar="FILE", help="state dict for the built-in model (local file)"
     )
     _add_run_options(optimize)
+    add_library_options(optimize)
     optimize.add_argument(
         "--out",
         metavar="PATH",
@@ -74,6 +75,7 @@ def add_parser(subparsers) -> None:
     bench.add_argument("--warmup", type=at_least(0), help="warm-up runs (default: device's)")
     bench.add_argument("--iters", type=at_least(1), help="timed runs (default: device's)")
     bench.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    add_library_options(bench)
     bench.set_defaults(func=run_bench)
 
 

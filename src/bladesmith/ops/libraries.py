@@ -10,11 +10,12 @@ in), copies those libraries beside a saved artifact and loads them again with it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -53,7 +54,7 @@ LIBRARY_FLAG = "--load-library"
 # Where a saved artifact's libraries go: a folder beside it, "<artifact>.libs".
 _FOLDER_SUFFIX = ".libs"
 _INDEX = "libraries.json"
-_UNKNOWN_OP = re.compile(r"Unknown builtin op: (?P<op>[\w.]+::[\w.]+)")
+_UNKNOWN_OP = re.compile(r"Unknown builtin op: (?P<op>\w+::\w+)")
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,15 @@ def _qualified(target) -> str | None:
 
 
 def _recorded(module, example_args: tuple) -> set[str]:
-    """The operators a call of ``module`` dispatches, seen by a dispatch mode."""
+    with torch.no_grad(), recording() as seen:
+        module(*example_args)
+    return seen
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[set[str]]:
+    """The operators dispatched inside the block (TorchScript's included), as a set
+    that fills as they run."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seen: set[str] = set()
@@ -132,9 +141,8 @@ def _recorded(module, example_args: tuple) -> set[str]:
             seen.add(func._schema.name)
             return func(*args, **(kwargs or {}))
 
-    with torch.no_grad(), Record():
-        module(*example_args)
-    return seen
+    with Record():
+        yield seen
 
 
 def has_fake_kernel(name: str) -> bool:

@@ -1,12 +1,13 @@
 """channels_last: 4-D weights in NHWC order, the layout cuDNN's and oneDNN's fastest
-convolution kernels (tensor cores on the GPU) read directly."""
+convolution kernels (tensor cores on the GPU) read directly. A convolution given a
+channels_last weight returns channels_last, so the layout carries through the model
+from the first convolution on; TorchScript models' weights convert the same way."""
 
 from __future__ import annotations
 
 import copy
 
 import torch
-from torch import nn
 
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, register
@@ -19,10 +20,8 @@ class ChannelsLast(Pass):
     name = "channels_last"
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
-        if isinstance(candidate.module, torch.jit.ScriptModule):
-            return "TorchScript modules keep their memory format; give optimize the nn.Module"
-        if not any(isinstance(m, nn.Conv2d) for m in candidate.module.modules()):
-            return "the model has no 2-D convolutions"
+        if not any(p.dim() == 4 for p in candidate.module.parameters()):
+            return "the model has no 2-D convolutions (no 4-D weights)"
         return None
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:

@@ -13,6 +13,7 @@ import torch
 
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, register
+from bladesmith.passes.torchscript import is_torchscript
 
 # Inductor's C++ build of a whole detector takes minutes on a small CPU; worth it only
 # when asked for a longer build.
@@ -31,13 +32,21 @@ class Inductor(Pass):
     name = "inductor"
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
-        if isinstance(candidate.module, torch.jit.ScriptModule):
-            return "torch.compile cannot trace TorchScript modules; give optimize the nn.Module"
+        if is_torchscript(candidate.module):
+            return "torch.compile cannot trace TorchScript (the torchscript pass is its route)"
         if context.device.type == "cpu" and context.level not in _CPU_LEVELS:
             return "Inductor's C++ build takes minutes on a CPU; it runs at level o2"
         return None
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
+        from bladesmith.ops.libraries import without_fake_kernel
+
+        opaque = without_fake_kernel(context.user_operators)
+        if opaque:  # Dynamo breaks the graph there and calls the operator as it is
+            context.notes.append(
+                f"inductor: {', '.join(opaque)} has no fake kernel; it runs as an opaque call "
+                "between compiled graphs (torch.library.register_fake lets Inductor see through)"
+            )
         mode = compile_mode(context.level)
         compiled = torch.compile(candidate.module, mode=mode, dynamic=False)
         # Inductor reads its config when it compiles, on the first call.

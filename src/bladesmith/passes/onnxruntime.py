@@ -66,6 +66,16 @@ class OnnxRuntime(Pass):
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if importlib.util.find_spec("onnxruntime") is None:
             return "onnxruntime is not installed (pip install onnxruntime)"
+        from bladesmith.onnx import user_ops
+
+        untranslated = sorted(
+            op for op in context.user_operators if user_ops.translation(op) is None
+        )
+        if untranslated:
+            return (
+                f"{', '.join(untranslated)} has no ONNX translation "
+                f"({user_ops.REGISTER_CALL} gives one)"
+            )
         return None
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:

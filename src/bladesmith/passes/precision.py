@@ -1,9 +1,9 @@
 """fp16 and bf16: run the model in half precision, kept only if the outputs stay close.
 
-The model's floating-point parameters and buffers, and its floating-point inputs, are
-cast to the half type; its floating-point outputs are cast back to float32, so callers
-see the dtype they had. bf16 (wider range, fewer mantissa bits) is tried only when fp16
-was not kept, for models whose activations overflow fp16.
+The model's floating-point parameters and buffers (a TorchScript model's too), and its
+floating-point inputs, are cast to the half type; its floating-point outputs are cast
+back to float32, so callers see the dtype they had. bf16 (wider range, fewer mantissa
+bits) is tried only when fp16 was not kept, for models whose activations overflow fp16.
 """
 
 from __future__ import annotations
@@ -51,8 +51,6 @@ class Float16(Pass):
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if candidate.dtype != torch.float32:
             return f"the model already computes in {_name(candidate.dtype)}"
-        if isinstance(candidate.module, torch.jit.ScriptModule):
-            return "TorchScript modules keep their dtypes; give optimize the nn.Module"
         if not any(p.is_floating_point() for p in candidate.module.parameters()):
             return "the model has no floating-point parameters"
         return None

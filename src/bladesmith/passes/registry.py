@@ -39,6 +39,8 @@ class Context:
     test_args: list[tuple] = field(default_factory=list)  # every test input, the same way
     kept: list[str] = field(default_factory=list)  # passes kept so far, in order
     notes: list[str] = field(default_factory=list)  # diagnosis lines passes add
+    # The user's own operators the model calls ("myops::scale_clip"; ops/libraries.py)
+    user_operators: frozenset[str] = frozenset()
     # step(description) -> context manager that shows progress during a long step
     step: Callable[[str], contextlib.AbstractContextManager] = lambda _: contextlib.nullcontext()
 
