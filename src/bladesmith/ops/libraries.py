@@ -224,8 +224,13 @@ def restore(artifact: Path) -> None:
     if not index.is_file():
         return
     for entry in json.loads(index.read_text()):
-        if not all(_registered(op) for op in entry["operators"]):
-            load(index.parent / entry["file"])
+        missing = [op for op in entry["operators"] if not _registered(op)]
+        if not missing:
+            continue
+        path = index.parent / entry["file"]
+        if not path.is_file():
+            raise BladesmithError(missing_message(artifact, missing[0], entry["file"]))
+        load(path)
 
 
 def _registered(name: str) -> bool:
