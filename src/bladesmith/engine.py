@@ -33,14 +33,14 @@ from torch.utils import _pytree as pytree
 from bladesmith.artifact import OptimizedModule
 from bladesmith.bench import Timing, measure
 from bladesmith.config import Config, check_level
-from bladesmith.devices import resolve_device
+from bladesmith.devices import resolve_device, with_index
 from bladesmith.onnx import user_ops
 from bladesmith.ops import libraries
 from bladesmith.passes import registry
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, PassSkipped
-from bladesmith.passes.torchscript import is_torchscript
 from bladesmith.report import PassRecord, Report, hardware_context, software_context
+from bladesmith.runtimes.torchscript import is_torchscript
 from bladesmith.spec import (
     AOTI_SUFFIX,
     ONNX_SUFFIX,
@@ -90,7 +90,7 @@ def optimize(
     """
     config = config or Config.current()
     level = check_level(level)
-    device = _indexed(resolve_device(device))
+    device = with_index(resolve_device(device))
     passes = list(passes) if passes is not None else registry.create_all()
     _check_pass_names(config, passes)
     progress = _Progress(config.progress if config.progress is not None else sys.stderr.isatty())
@@ -428,7 +428,7 @@ def _working_copy(model, device: torch.device) -> tuple[nn.Module, dict]:
 def load_model_file(path) -> nn.Module:
     """The module in a TorchScript (.pt) or torch.export (.pt2) file, on the CPU."""
     from bladesmith.errors import BladesmithError
-    from bladesmith.passes.torchscript import quiet_torchscript
+    from bladesmith.runtimes.torchscript import quiet_torchscript
 
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -466,13 +466,6 @@ def _entries(test_data) -> list[tuple]:
             "tuple of arguments, or the single argument (a detector's: its list of images)"
         )
     return [entry if isinstance(entry, tuple) else (entry,) for entry in test_data]
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """cuda -> cuda:N (the current one), so that device checks compare equal to tensors'."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _to(value, device: torch.device):

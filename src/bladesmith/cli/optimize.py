@@ -184,11 +184,10 @@ def _model_and_inputs(args: argparse.Namespace):
 
 def run_bench(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from rich.table import Table
 
-    from bladesmith.artifact import _write_atomically
+    from bladesmith._files import write_atomically
     from bladesmith.report import output_console
 
     measured = [_bench_one(path, args.warmup, args.iters) for path in args.artifacts]
@@ -220,7 +219,7 @@ def run_bench(args: argparse.Namespace) -> int:
     output_console().print(table)
     if args.json:
         text = json.dumps(rows, indent=2) + "\n"
-        _write_atomically(Path(args.json), lambda path: path.write_text(text))
+        write_atomically(args.json, lambda path: path.write_text(text))
     return 0
 
 

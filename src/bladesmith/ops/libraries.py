@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from bladesmith._files import write_atomically
 from bladesmith.errors import BladesmithError
 
 # Namespaces that come with torch, torchvision and bladesmith: never the user's.
@@ -213,7 +214,8 @@ def store(libraries: list[Library], artifact: Path) -> list[dict]:
     for library in libraries:
         shutil.copy2(library.path, folder / library.path.name)
         entries.append({"file": library.path.name, "operators": list(library.operators)})
-    (folder / _INDEX).write_text(json.dumps(entries, indent=2) + "\n")
+    text = json.dumps(entries, indent=2) + "\n"
+    write_atomically(folder / _INDEX, lambda temporary: temporary.write_text(text))
     return entries
 
 

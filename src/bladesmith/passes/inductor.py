@@ -13,7 +13,7 @@ import torch
 
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, register
-from bladesmith.passes.torchscript import is_torchscript
+from bladesmith.runtimes.torchscript import is_torchscript
 
 # Inductor's C++ build of a whole detector takes minutes on a small CPU; worth it only
 # when asked for a longer build.
