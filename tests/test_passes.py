@@ -83,8 +83,9 @@ def test_registry_lists_builtin_passes_in_order_and_refuses_duplicates():
         "conv_fusion",
         "channel_padding",
         "inductor",
-        "cuda_graph",
         "torchscript",
+        "cudnn_benchmark",
+        "cuda_graph",
         "onnxruntime",
     ]
     summaries = {name: summary for name, _, _, summary in registry.describe()}
