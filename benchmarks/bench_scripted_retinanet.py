@@ -1,0 +1,155 @@
+"""PAI-Blade's tutorial, on bladesmith: a scripted RetinaNet that calls its own decode/NMS
+operators, optimized as a user's TorchScript model, side by side with the model as given.
+
+    python benchmarks/bench_scripted_retinanet.py --device cpu --threads 2 --input-size 320x416
+    python benchmarks/bench_scripted_retinanet.py --device cuda --batches 1 32
+
+The user model is bladesmith's RetinaNet pipeline (torchvision R50-FPN, random weights
+calibrated to a trained model's post-processing load) traced to TorchScript, where
+post-processing is one call of ``torch.ops.bladesmith.retinanet_postprocess``, saved to
+a ``.pt`` file and loaded back: what ``bladesmith.optimize`` gets is a TorchScript
+module it did not build (no built-in adapter applies). Rows: the TorchScript model as
+given, ``bladesmith.optimize`` of it, and its ``.pt`` artifact loaded again. Detections
+are compared with the model's own (F1 over same-class matches at IoU >= 0.9, strict:
+every unmatched detection counts). ``--json`` writes the rows and the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import bladesmith
+from bladesmith.bench import measure
+from bladesmith.models.images import sample_images
+from bladesmith.models.retinanet import RetinaNetPipeline, build_retinanet
+from bladesmith.runtimes.torchscript import quiet_torchscript
+from bladesmith.verify import compare_detections
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = bladesmith.devices.resolve_device(args.device)
+    bladesmith.ops.load_library()
+    rows, reports = [], {}
+    with tempfile.TemporaryDirectory(prefix="bladesmith-scripted-") as directory:
+        model_file = Path(directory) / "retinanet.pt"
+        script_retinanet(args.input_size, model_file)
+        with quiet_torchscript():
+            scripted = torch.jit.load(str(model_file), map_location=device).eval()
+        for batch in args.batches:
+            images = sample_images(batch, args.input_size, device=device)
+            with torch.no_grad():
+                reference = as_lists(scripted(images))
+            timed = Timer(args.warmup, args.iters, device, batch, reference)
+            found = [timed("TorchScript as given", scripted, images)]
+            started = time.perf_counter()
+            optimized, spec, report = bladesmith.optimize(
+                scripted,
+                level=args.level,
+                device=device,
+                test_data=[(images,)],
+                config=bladesmith.Config(warmup=args.warmup, iters=args.iters, progress=True),
+            )
+            found.append(timed(f"bladesmith {args.level}", optimized, images))
+            found[-1].update(build_s=time.perf_counter() - started, passes=list(spec.passes))
+            saved = bladesmith.save(optimized, Path(directory) / f"optimized-{batch}.pt")
+            found.append(timed("its .pt, loaded again", bladesmith.load(saved), images))
+            for row in found:
+                row["speedup"] = found[0]["timing"]["p50_ms"] / row["timing"]["p50_ms"]
+            rows += found
+            reports[str(batch)] = report.to_dict()
+            print(report.diagnosis["message"], flush=True)
+    print_table(rows, device, args)
+    if args.json:
+        payload = {"device": str(device), "args": vars(args), "rows": rows, "reports": reports}
+        Path(args.json).write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def script_retinanet(image_size: tuple[int, int], path: Path) -> None:
+    """The user's model file: the fixed-shape pipeline traced to TorchScript."""
+    pipeline = RetinaNetPipeline(build_retinanet(image_size), image_size).eval()
+    images = sample_images(1, image_size)
+    with quiet_torchscript(), torch.no_grad():
+        traced = torch.jit.trace(pipeline, (images,), check_trace=False)
+        torch.jit.save(traced, str(path))
+
+
+def as_lists(outputs) -> list[dict]:
+    """Padded (boxes, scores, labels, num_detections) -> torchvision's list of dicts."""
+    boxes, scores, labels, counts = outputs
+    return [
+        {"boxes": boxes[i, :n], "scores": scores[i, :n], "labels": labels[i, :n]}
+        for i, n in enumerate(counts.tolist())
+    ]
+
+
+class Timer:
+    def __init__(self, warmup, iters, device, batch, reference):
+        self.warmup, self.iters, self.device, self.batch = warmup, iters, device, batch
+        self.reference = reference
+
+    def __call__(self, name, fn, images) -> dict:
+        with torch.no_grad():
+            outputs = as_lists(fn(images))
+            timing = measure(
+                fn,
+                (images,),
+                warmup=self.warmup,
+                iters=self.iters,
+                device=self.device,
+                batch_size=self.batch,
+            )
+        comparison = compare_detections(self.reference, outputs)
+        print(f"{name}, batch {self.batch}: {timing.p50_ms:.1f} ms (p50)", flush=True)
+        return {
+            "name": name,
+            "batch": self.batch,
+            "timing": timing.to_dict(),
+            "strict_f1": comparison.strict_f1,
+            "accuracy": comparison.summary(),
+        }
+
+
+def print_table(rows: list[dict], device, args) -> None:
+    print(
+        f"\nScripted RetinaNet R50-FPN with its own post-processing operator, "
+        f"{args.input_size[0]}x{args.input_size[1]}, {device}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
+    print(f"{'row':<26} {'batch':>5} {'p50 ms':>10} {'mean ms':>10} {'vs given':>9} {'F1':>6}")
+    for row in rows:
+        timing = row["timing"]
+        print(
+            f"{row['name']:<26} {row['batch']:>5} {timing['p50_ms']:>10.1f} "
+            f"{timing['mean_ms']:>10.1f} {row['speedup']:>8.2f}x {row['strict_f1']:>6.3f}"
+        )
+    for row in rows:
+        if "passes" in row:
+            print(f"batch {row['batch']}: kept {', '.join(row['passes']) or 'nothing'}")
+
+
+def parse_args() -> argparse.Namespace:
+    from bladesmith.cli.args import input_size
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--level", default="o1", choices=("o0", "o1", "o2"))
+    parser.add_argument("--input-size", type=input_size, default=(480, 640), metavar="HxW")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1])
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--json", metavar="PATH")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    main()
