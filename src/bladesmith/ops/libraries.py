@@ -48,7 +48,6 @@ _BUILTIN_NAMESPACES = frozenset(
         "torchvision",
         "image",
         "bladesmith",
-        "bladesmith_winograd",
     }
 )
 LIBRARY_FLAG = "--load-library"

@@ -10,10 +10,9 @@ import copy
 import torch
 
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass, register
+from bladesmith.passes.registry import Context, Pass
 
 
-@register
 class ChannelsLast(Pass):
     """Convolution weights in channels_last (NHWC) memory format."""
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass, register
+from bladesmith.passes.registry import Context, Pass
 
 
 class CudnnBenchmarkRunner:
@@ -26,7 +26,6 @@ class CudnnBenchmarkRunner:
             return self.fn(*args, **kwargs)
 
 
-@register
 class CudnnBenchmark(Pass):
     """cuDNN autotuning (benchmark mode) around the model's calls (GPU)."""
 

@@ -13,15 +13,16 @@ from __future__ import annotations
 import torch
 
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass, register
+from bladesmith.passes.registry import Context, Pass
 from bladesmith.runtimes.torchscript import freeze, is_torchscript, quiet_torchscript
+from bladesmith.spec import TORCHSCRIPT_SUFFIX
 
 
-@register
 class TorchScriptFreeze(Pass):
     """TorchScript trace + freeze + optimize_for_inference (CPU; TorchScript models: GPU too)."""
 
     name = "torchscript"
+    saves_as = TORCHSCRIPT_SUFFIX
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if context.device.type != "cpu" and not is_torchscript(candidate.module):
