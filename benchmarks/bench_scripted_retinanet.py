@@ -94,20 +94,13 @@ def as_lists(outputs) -> list[dict]:
 
 class Timer:
     def __init__(self, warmup, iters, device, batch, reference):
-        self.warmup, self.iters, self.device, self.batch = warmup, iters, device, batch
-        self.reference = reference
+        self.batch, self.reference = batch, reference
+        self.options = dict(warmup=warmup, iters=iters, device=device, batch_size=batch)
 
     def __call__(self, name, fn, images) -> dict:
         with torch.no_grad():
             outputs = as_lists(fn(images))
-            timing = measure(
-                fn,
-                (images,),
-                warmup=self.warmup,
-                iters=self.iters,
-                device=self.device,
-                batch_size=self.batch,
-            )
+            timing = measure(fn, (images,), **self.options)
         comparison = compare_detections(self.reference, outputs)
         print(f"{name}, batch {self.batch}: {timing.p50_ms:.1f} ms (p50)", flush=True)
         return {

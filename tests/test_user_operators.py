@@ -16,6 +16,7 @@ from torch import nn
 
 from bladesmith.errors import BladesmithError
 from bladesmith.ops import libraries
+from engine_testing import cuda
 
 _SOURCE = r"""
 #include <ATen/ATen.h>
@@ -29,6 +30,7 @@ TORCH_LIBRARY(userops_test, m) {
   m.def("scale_clip(Tensor x, float scale, float limit) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(userops_test, CPU, m) { m.impl("scale_clip", scale_clip); }
+TORCH_LIBRARY_IMPL(userops_test, CUDA, m) { m.impl("scale_clip", scale_clip); }
 """
 OPERATOR = "userops_test::scale_clip"
 SIZE = ["--input-size", "24x32", "--warmup", "0", "--iters", "2", "--device", "cpu"]
@@ -91,16 +93,18 @@ def _one_line_error(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def _compare_script(artifact: Path, model: Path) -> str:
+def _compare_script(artifact: Path, model: Path, shape=(1, 3, 24, 32), tolerance=1e-5) -> str:
     """Python that loads ``artifact`` with no manual library loading, then checks its
     outputs against the scripted model's (whose operator the artifact's load brought)."""
     return textwrap.dedent(
         f"""
         import torch, bladesmith
         optimized = bladesmith.load({str(artifact)!r})
-        images = torch.rand(1, 3, 24, 32)
+        images = torch.rand({shape})
         model = torch.jit.load({str(model)!r})
-        torch.testing.assert_close(optimized(images), model(images), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            optimized(images).cpu(), model(images), rtol=10 * {tolerance}, atol={tolerance}
+        )
         print("same outputs")
         """
     )
@@ -247,3 +251,23 @@ def test_an_operator_without_fake_kernel_rules_out_pt2_with_a_reason(library, tm
     saved = bladesmith.save(optimized, tmp_path / "opt.pt")
     assert (tmp_path / "opt.pt.libs" / library.name).is_file()
     torch.testing.assert_close(bladesmith.load(saved)(images), optimized(images))
+
+
+@cuda
+def test_a_scripted_model_with_the_operator_takes_the_gpu_passes(library, model_file, tmp_path):
+    import bladesmith
+
+    model = torch.jit.load(str(model_file))
+    images = torch.rand(4, 3, 64, 64, device="cuda")
+    config = bladesmith.Config(warmup=2, iters=10, progress=False)
+    optimized, spec, report = bladesmith.optimize(
+        model, device="cuda", test_data=[(images,)], config=config
+    )
+    records = {record.name: record for record in report.optimizations}
+    for name in ("fp16", "channels_last", "torchscript", "cudnn_benchmark", "cuda_graph"):
+        assert records[name].status in ("kept", "rejected"), (name, records[name].reason)
+    assert report.accuracy["passed"]
+    saved = bladesmith.save(optimized, tmp_path / "opt.pt")
+    script = _compare_script(saved, model_file, shape=(4, 3, 64, 64), tolerance=1e-2)
+    loaded = _run("-c", script, cwd=tmp_path)
+    assert loaded.returncode == 0 and "same outputs" in loaded.stdout, loaded.stderr
