@@ -38,6 +38,29 @@ def settings_of(model, **overrides) -> SimpleNamespace:
     return SimpleNamespace(**{**values, **overrides})
 
 
+# torchvision's names of the post-processing settings -> the pipelines' names.
+PIPELINE_NAMES = {
+    "score_thresh": "score_threshold",
+    "topk_candidates": "topk_candidates",
+    "nms_thresh": "iou_threshold",
+    "detections_per_img": "max_detections",
+}
+
+
+@contextmanager
+def pipeline_settings(pipeline, **overrides):
+    """``pipeline`` with some settings replaced (torchvision's names), then restored."""
+    names = {PIPELINE_NAMES[k]: v for k, v in overrides.items()}
+    saved = {name: getattr(pipeline, name) for name in names}
+    try:
+        for name, value in names.items():
+            setattr(pipeline, name, value)
+        yield pipeline
+    finally:
+        for name, value in saved.items():
+            setattr(pipeline, name, value)
+
+
 def as_list(outputs) -> list[dict]:
     boxes, scores, labels, counts = outputs[:4]
     return [

@@ -1,12 +1,14 @@
 import pytest
 import torch
 from family_testing import (
+    as_list,
     assert_exports,
     assert_onnx_runs_as_pytorch,
     assert_padded_equal_reference,
     assert_realistic,
     assert_torchscript_loads_in_a_new_process,
     exact_torchvision_nms,
+    pipeline_settings,
     settings_of,
 )
 from torchvision.models.detection import FCOS
@@ -55,23 +57,6 @@ def torchvision_postprocess(pipeline, model, outputs, **overrides):
         return FCOS.postprocess_detections(settings_of(model, **overrides), head, anchors, shapes)
 
 
-def run_postprocess(pipeline, model, outputs, **overrides):
-    renamed = {
-        "score_thresh": "score_threshold",
-        "topk_candidates": "topk_candidates",
-        "nms_thresh": "iou_threshold",
-        "detections_per_img": "max_detections",
-    }
-    saved = {renamed[k]: getattr(pipeline, renamed[k]) for k in overrides}
-    try:
-        for k, v in overrides.items():
-            setattr(pipeline, renamed[k], v)
-        return pipeline.postprocess(*outputs)
-    finally:
-        for k, v in saved.items():
-            setattr(pipeline, k, v)
-
-
 CASES = {
     "random": dict(seed=1),
     "more candidates than top-k": dict(seed=2, logit_mean=2.0, topk_candidates=50),
@@ -92,7 +77,8 @@ def test_postprocess_equals_torchvision(pipeline, model, case):
     inputs = {k: case.pop(k) for k in ("seed", "logit_mean", "quantum") if k in case}
     outputs = head_outputs(pipeline, **inputs)
     reference = torchvision_postprocess(pipeline, model, outputs, **case)
-    ours = run_postprocess(pipeline, model, outputs, **case)
+    with pipeline_settings(pipeline, **case):
+        ours = pipeline.postprocess(*outputs)
     assert ours[0].shape == (2, case.get("detections_per_img", 100), 4)
     assert_padded_equal_reference(ours, reference)
     if inputs.get("logit_mean") == -12.0:
@@ -133,8 +119,6 @@ def test_onnx_runtime_gives_pytorchs_detections(pipeline, model, tmp_path, mode)
     expected, _ = assert_onnx_runs_as_pytorch(pipeline, images, tmp_path, mode, OUTPUTS)
     with torch.no_grad():
         reference = model(list(images))
-    from family_testing import as_list
-
     assert compare_detections(reference, as_list(expected)).passed
 
 

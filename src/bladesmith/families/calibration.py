@@ -53,3 +53,23 @@ def calibrate(
         if level.shape[1]
     )
     layer.bias.fill_(target_logit - kth_largest + margin)
+
+
+@torch.no_grad()
+def fit_batch_norms(module: nn.Module, run) -> None:
+    """Set the running statistics of ``module``'s batch norms to those ``run()`` (a
+    forward pass over photographs) produces. With random weights and default statistics
+    (mean 0, variance 1), deep networks such as MobileNetV3 shrink their activations to
+    1e-14 and less; normalised, they keep a trained network's scale."""
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    momenta = [norm.momentum for norm in norms]
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None  # a cumulative average: one pass sets the statistics
+        norm.train()
+    try:
+        run()
+    finally:
+        for norm, momentum in zip(norms, momenta):
+            norm.momentum = momentum
+            norm.eval()
