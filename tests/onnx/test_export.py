@@ -256,8 +256,9 @@ def test_batched_nms_equals_torchvisions_class_aware_nms(tmp_path, mode, seed):
 
 @pytest.fixture(scope="module")
 def tiny_retinanet():
+    from bladesmith.families.retinanet import RetinaNetPipeline
+    from bladesmith.models.builtin import build_retinanet
     from bladesmith.models.images import sample_images
-    from bladesmith.models.retinanet import RetinaNetPipeline, build_retinanet
 
     size = (64, 96)
     model = build_retinanet(size, num_classes=3, backbone="resnet18")
@@ -338,7 +339,7 @@ def test_export_of_a_plain_module_needs_no_custom_domain(tmp_path):
 
 
 def test_public_names_are_the_functions():
-    import bladesmith.onnx.export as export_module  # noqa: F401  binds the submodule
+    import bladesmith.onnx.exporter as export_module  # noqa: F401  binds the submodule
 
     assert bladesmith.onnx.export is export
     assert callable(bladesmith.onnx.check) and callable(bladesmith.onnx.fix)
@@ -388,7 +389,7 @@ def test_cli_rejects_an_unknown_model(tmp_path, capsys):
     from bladesmith.cli import main
 
     assert main(["export", "onnx", str(tmp_path / "none.pt"), str(tmp_path / "m.onnx")]) == 1
-    assert "torchvision:retinanet_resnet50_fpn or a TorchScript file" in capsys.readouterr().err
+    assert "neither a built-in model" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["export", "onnx", "x", "y.onnx", "--input-size", "480"])
     assert not list(tmp_path.iterdir())
