@@ -87,9 +87,9 @@ def assert_realistic(reference: list[dict], at_least: int) -> None:
     assert min(counts) >= at_least, f"too few detections to compare: {counts}"
 
 
-def assert_torchscript_loads_in_a_new_process(pipeline, images, tmp_path) -> None:
-    """Traced, saved, and loaded with only the operator library in a fresh interpreter,
-    it gives the same outputs."""
+def assert_torchscript_loads_in_a_new_process(pipeline, images, tmp_path, imports=()) -> None:
+    """Traced, saved, and loaded with only the operator library (and ``imports``, the
+    modules whose operators it calls) in a fresh interpreter, it gives the same outputs."""
     with torch.no_grad():
         traced = torch.jit.trace(pipeline, (images,), check_trace=False)
         expected = pipeline(images)
@@ -98,6 +98,7 @@ def assert_torchscript_loads_in_a_new_process(pipeline, images, tmp_path) -> Non
     script = textwrap.dedent(
         f"""
         import sys, torch
+        {"; ".join(f"import {name}" for name in imports)}
         torch.ops.load_library({library_path()!r})
         model = torch.jit.load({str(tmp_path / "model.pt")!r})
         images, expected = torch.load({str(tmp_path / "io.pt")!r})

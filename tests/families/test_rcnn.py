@@ -119,7 +119,10 @@ def test_paste_masks_equals_torchvision(seed):
 
 
 def test_torchscript_save_loads_in_a_new_process(mask, tmp_path):
-    assert_torchscript_loads_in_a_new_process(mask[1], sample_images(1, SIZE), tmp_path)
+    # RoIAlign is torchvision's operator: the fresh process imports torchvision for it.
+    assert_torchscript_loads_in_a_new_process(
+        mask[1], sample_images(1, SIZE), tmp_path, imports=("torchvision",)
+    )
 
 
 def test_torch_export(faster):

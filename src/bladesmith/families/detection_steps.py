@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bladesmith.models.retinanet import _check_image_size as check_image_size
+from bladesmith.families.retinanet import check_image_size
 
 
 class KeepsFloat32(nn.Module):
@@ -176,3 +176,22 @@ def eval_model(model: nn.Module, kind: type, name: str) -> None:
         raise TypeError(f"model: expected a torchvision {name}, got {type(model).__name__}")
     if model.training:
         raise ValueError("model: expected a model in eval mode (call model.eval() first)")
+
+
+@torch.no_grad()
+def detections_note(name: str, pipeline: nn.Module, batch: torch.Tensor, builder: str) -> str:
+    """A report line: how many detections each image of ``batch`` keeps, and whether
+    post-processing is then timed (and compared) under a real load."""
+    counts = pipeline(batch)[3].tolist()
+    capacity = pipeline.max_detections
+    if min(counts) == 0:
+        verdict = (
+            "an image has none: post-processing is timed without load and the comparison "
+            f"sees nothing there (random weights? {builder}(realistic_load=True) calibrates "
+            "them)"
+        )
+    elif min(counts) < capacity // 2:
+        verdict = "a lighter load than a trained model's on a busy image"
+    else:
+        verdict = "post-processing is timed under realistic load"
+    return f"{name} detections per image: {counts} (at most {capacity}); {verdict}"

@@ -14,7 +14,8 @@ from torch import nn
 
 from bladesmith.families import calibration
 from bladesmith.families import detection_steps as steps
-from bladesmith.models.retinanet import _static_anchors
+from bladesmith.families.base import DetectionFamily
+from bladesmith.families.retinanet import _static_anchors
 from bladesmith.ops import load_library
 
 
@@ -149,3 +150,23 @@ def calibrate_fcos(model: nn.Module, image_size: tuple[int, int]) -> None:
     ctr_layer.bias.fill_(1.0)
     target = calibration.logit(min(2 * model.score_thresh**2, 0.5))
     calibration.calibrate(cls_layer, cls_raw, pipeline.level_sizes, target, _REALISTIC_CANDIDATES)
+
+
+class FCOSFamily(DetectionFamily):
+    """torchvision's FCOS: ``FCOSPipeline``."""
+
+    name = "fcos"
+
+    def detects(self, model) -> bool:
+        from torchvision.models.detection import FCOS
+
+        return isinstance(model, FCOS)
+
+    def adapt(self, model: nn.Module, image_size: tuple[int, int]) -> nn.Module:
+        return FCOSPipeline(model, image_size)
+
+    def load_note(self, pipeline: nn.Module, batch: torch.Tensor) -> str:
+        return steps.detections_note("FCOS", pipeline, batch, "build_fcos")
+
+
+FAMILY = FCOSFamily()

@@ -28,7 +28,8 @@ from torch import nn
 
 from bladesmith.families import calibration
 from bladesmith.families import detection_steps as steps
-from bladesmith.models.retinanet import _static_anchors
+from bladesmith.families.base import DetectionFamily
+from bladesmith.families.retinanet import _static_anchors
 from bladesmith.ops import load_library
 
 DETECTION_OUTPUTS = ("boxes", "scores", "labels", "num_detections")
@@ -333,3 +334,68 @@ def calibrate_rcnn(model: nn.Module, image_size: tuple[int, int]) -> None:
     pooled = pipeline.pool(model.roi_heads.box_roi_pool, features, pipeline.proposals(features)[0])
     logits = model.roi_heads.box_predictor(model.roi_heads.box_head(pooled))[0]
     classifier.weight.mul_(_CLASS_LOGIT_STD / logits.std().clamp_min(1e-12))
+
+
+def _box_only(model) -> bool:
+    """A Faster R-CNN without mask or keypoint heads (both subclass FasterRCNN)."""
+    from torchvision.models.detection import FasterRCNN
+
+    heads = getattr(model, "roi_heads", None)
+    return (
+        isinstance(model, FasterRCNN)
+        and getattr(heads, "mask_predictor", None) is None
+        and getattr(heads, "keypoint_predictor", None) is None
+    )
+
+
+class FasterRCNNFamily(DetectionFamily):
+    """torchvision's Faster R-CNN: ``FasterRCNNPipeline``."""
+
+    name = "faster_rcnn"
+
+    def detects(self, model) -> bool:
+        return _box_only(model)
+
+    def adapt(self, model: nn.Module, image_size: tuple[int, int]) -> nn.Module:
+        return FasterRCNNPipeline(model, image_size)
+
+    def load_note(self, pipeline: nn.Module, batch: torch.Tensor) -> str:
+        return steps.detections_note("Faster R-CNN", pipeline, batch, "build_rcnn")
+
+
+class MaskRCNNFamily(DetectionFamily):
+    """torchvision's Mask R-CNN: ``MaskRCNNPipeline``; the user's dicts have masks
+    [N, 1, H, W] too. Comparisons match the detections (boxes, scores, labels)."""
+
+    name = "mask_rcnn"
+    output_names = MASK_OUTPUTS
+
+    def detects(self, model) -> bool:
+        from torchvision.models.detection import MaskRCNN
+
+        return isinstance(model, MaskRCNN) and model.roi_heads.keypoint_predictor is None
+
+    def adapt(self, model: nn.Module, image_size: tuple[int, int]) -> nn.Module:
+        return MaskRCNNPipeline(model, image_size)
+
+    def to_user(self, outputs: tuple) -> list[dict[str, torch.Tensor]]:
+        detections = super().to_user(outputs)
+        for i, image in enumerate(detections):
+            image["masks"] = outputs[4][i, : len(image["scores"])].float()
+        return detections
+
+    def compare(self, reference, candidate, **tolerances):
+        return super().compare(_without_masks(reference), _without_masks(candidate), **tolerances)
+
+    def load_note(self, pipeline: nn.Module, batch: torch.Tensor) -> str:
+        return steps.detections_note("Mask R-CNN", pipeline, batch, "build_rcnn")
+
+
+def _without_masks(outputs):
+    if isinstance(outputs, list) and all(isinstance(d, dict) for d in outputs):
+        return [{k: v for k, v in d.items() if k != "masks"} for d in outputs]
+    return outputs
+
+
+FASTER_RCNN = FasterRCNNFamily()
+MASK_RCNN = MaskRCNNFamily()

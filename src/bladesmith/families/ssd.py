@@ -18,7 +18,8 @@ from torch import nn
 
 from bladesmith.families import calibration
 from bladesmith.families import detection_steps as steps
-from bladesmith.models.retinanet import _static_anchors
+from bladesmith.families.base import DetectionFamily
+from bladesmith.families.retinanet import _static_anchors
 from bladesmith.ops import load_library
 
 
@@ -132,3 +133,23 @@ def calibrate_ssd(model: nn.Module) -> None:
         layer = level[-1] if isinstance(level, nn.Sequential) else level  # SSDlite's
         layer.bias.zero_()
         layer.weight.mul_(calibration.LOGIT_STD / level(feature).std().clamp_min(1e-12))
+
+
+class SSDFamily(DetectionFamily):
+    """torchvision's SSD and SSDlite: ``SSDPipeline``."""
+
+    name = "ssd"
+
+    def detects(self, model) -> bool:
+        from torchvision.models.detection.ssd import SSD
+
+        return isinstance(model, SSD)
+
+    def adapt(self, model: nn.Module, image_size: tuple[int, int]) -> nn.Module:
+        return SSDPipeline(model, image_size)
+
+    def load_note(self, pipeline: nn.Module, batch: torch.Tensor) -> str:
+        return steps.detections_note("SSD", pipeline, batch, "build_ssd")
+
+
+FAMILY = SSDFamily()
