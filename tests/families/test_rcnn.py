@@ -137,11 +137,22 @@ def test_onnx_runtime_gives_pytorchs_detections(faster, tmp_path, mode):
 
 
 def test_mask_rcnn_onnx_runtime_gives_pytorchs_masks(mask, tmp_path):
+    from torchvision.ops import box_iou
+
     expected, got = assert_onnx_runs_as_pytorch(
         mask[1], sample_images(1, SIZE), tmp_path, "standard", MASK_OUTPUTS
     )
     n = int(expected[3][0])
-    assert torch.allclose(got[4][0, :n], expected[4][0, :n], atol=1e-3)
+    # Near-equal scores may swap slots: each detection's mask is compared with its match
+    # (same label, IoU > 0.99). ONNX Runtime's RoiAlign rounds differently, and a box
+    # moved by 1e-3 px can cross a whole pixel where the paste truncates: so the mean
+    # difference per mask, not the largest.
+    iou = box_iou(got[0][0, :n], expected[0][0, :n])
+    iou = iou * (got[2][0, :n, None] == expected[2][0, None, :n])
+    best, match = iou.max(dim=1)
+    assert (best > 0.99).all()
+    difference = (got[4][0, :n] - expected[4][0, match]).abs().flatten(1).mean(1)
+    assert difference.max() < 1e-3, difference
 
 
 def test_errors_name_the_argument(faster, mask):
