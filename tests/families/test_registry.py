@@ -45,3 +45,21 @@ def test_mask_rcnn_family_gives_masks_to_the_user():
     detections = family.to_user(outputs)
     for image, count in zip(detections, outputs[3].tolist()):
         assert image["masks"].shape == (count, 1, 64, 96)
+
+
+def test_artifacts_load_with_torchvisions_operators():
+    """R-CNN artifacts call torchvision::roi_align: loading makes it available."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from bladesmith.artifact import _load_custom_ops\n"
+        "assert _load_custom_ops() is None\n"
+        "torch.ops.torchvision.roi_align.default\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
