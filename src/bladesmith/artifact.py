@@ -302,9 +302,15 @@ def _read_onnx(path: Path) -> tuple[Callable, str | None]:
 
 
 def _load_custom_ops() -> Exception | None:
-    """Load bladesmith's operator library; the error if it cannot be (an artifact that
-    needs no custom operator still loads)."""
+    """Load bladesmith's operator library, and torchvision's operators (RoIAlign, which
+    R-CNN artifacts call) where torchvision is installed; the error if bladesmith's
+    cannot be loaded (an artifact that needs no custom operator still loads)."""
+    import contextlib
+
     from bladesmith.errors import OpsBuildError
+
+    with contextlib.suppress(ImportError):
+        import torchvision  # noqa: F401  (importing it registers its operators)
 
     try:
         from bladesmith import ops

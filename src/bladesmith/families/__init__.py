@@ -7,11 +7,15 @@ A new family is one module defining ``FAMILY`` plus one line in ``FAMILIES``.
 from __future__ import annotations
 
 from bladesmith.errors import BladesmithError
-from bladesmith.families import retinanet
+from bladesmith.families import fcos, rcnn, retinanet, ssd
 from bladesmith.families.base import DetectionFamily, Family
 
 FAMILIES: list[Family] = [
     retinanet.FAMILY,
+    fcos.FAMILY,
+    ssd.FAMILY,
+    rcnn.MASK_RCNN,
+    rcnn.FASTER_RCNN,
 ]
 
 

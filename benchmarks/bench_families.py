@@ -1,0 +1,149 @@
+"""Every torchvision detector family end to end: eager vs torch.compile vs bladesmith.
+
+    python benchmarks/bench_families.py --json families.json              # GPU, batch 1 and 32
+    python benchmarks/bench_families.py --device cpu --threads 2 --batches 1 \\
+        --input-size 160x224 --families fcos ssdlite faster_rcnn_mobilenet
+
+Per family and batch, side by side in one run: torchvision eager float32, whole-model
+``torch.compile`` (GPU, or ``--compile-cpu``), the family's fixed-shape pipeline run
+eagerly (``pipeline``), and ``bladesmith.optimize`` at ``--level``. Models have random
+weights calibrated to a trained model's post-processing load (each family module's
+builder) and see real photographs; SSD runs at its own size (it resizes every image).
+Detections are compared with eager float32's by F1 as optimize's gate defines it
+(near ties and rounding flips excused) and strictly.
+
+Targets (H200, 3x480x640, batch 1): optimized >= 8x eager and >= 4x torch.compile at
+F1 >= 0.99 for every family. CPU (2 cores): >= 1.5x eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import bladesmith
+from bench_optimize import Timer, device_name, relate
+from bladesmith.families import family_of
+from bladesmith.families.fcos import build_fcos
+from bladesmith.families.rcnn import build_rcnn
+from bladesmith.families.ssd import build_ssd
+from bladesmith.models.builtin import build_retinanet
+from bladesmith.models.images import sample_images
+
+BUILDERS = {
+    "retinanet": lambda size: build_retinanet(size),
+    "fcos": lambda size: build_fcos(size),
+    "ssd300": lambda size: build_ssd("ssd300_vgg16"),
+    "ssdlite": lambda size: build_ssd("ssdlite320_mobilenet_v3_large"),
+    "faster_rcnn": lambda size: build_rcnn("fasterrcnn_resnet50_fpn", size),
+    "faster_rcnn_v2": lambda size: build_rcnn("fasterrcnn_resnet50_fpn_v2", size),
+    "faster_rcnn_mobilenet": lambda size: build_rcnn("fasterrcnn_mobilenet_v3_large_fpn", size),
+    "mask_rcnn": lambda size: build_rcnn("maskrcnn_resnet50_fpn", size),
+}
+NATIVE_SIZE = {"ssd300": (300, 300), "ssdlite": (320, 320)}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = bladesmith.devices.resolve_device(args.device)
+    rows = []
+    for name in args.families:
+        size = NATIVE_SIZE.get(name, args.input_size)
+        model = BUILDERS[name](size).to(device)
+        family = family_of(model)
+        for batch in args.batches:
+            rows += bench(name, model, family, size, batch, device, args)
+        del model
+    print_table(rows, device)
+    if args.json:
+        data = {"device": device_name(device), "rows": rows}
+        Path(args.json).write_text(json.dumps(data, indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+
+
+def bench(name, model, family, size, batch, device, args) -> list[dict]:
+    images = list(sample_images(batch, size, device=device))
+    warmup, iters = (args.warmup, args.iters) if batch == 1 else (args.warmup // 2, args.iters // 4)
+    with torch.no_grad():
+        reference = model(images)
+    timed = Timer(warmup, max(iters, 1), device, batch, model)
+    found = [timed("eager fp32", model, images, reference)]
+    if device.type == "cuda" or args.compile_cpu:
+        compiled = torch.compile(model, dynamic=False)
+        found.append(timed("torch.compile", compiled, images, reference, build=True))
+    pipeline = family.user_form(family.adapt(model, size).to(device))
+    found.append(timed("pipeline", pipeline, images, reference))
+    started = time.perf_counter()
+    optimized, spec, _ = bladesmith.optimize(
+        model,
+        level=args.level,
+        device=device,
+        test_data=[(images,)],
+        config=bladesmith.Config(warmup=warmup, iters=max(iters, 1)),
+    )
+    found.append(timed(f"bladesmith {args.level}", optimized, images, reference))
+    found[-1]["build_s"] = time.perf_counter() - started
+    found[-1]["passes"] = list(spec.passes)
+    relate(found)
+    for row in found:
+        row["family"] = name
+    return found
+
+
+def print_table(rows, device) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Detector families, realistic load, on {device_name(device)}")
+    columns = ("Family", "Variant", "Batch", "p50 ms", "Images/s", "vs eager", "vs compile")
+    for column in (*columns, "F1", "strict F1"):
+        table.add_column(column, justify="left" if column in ("Family", "Variant") else "right")
+    for row in rows:
+        timing = row["timing"]
+        table.add_row(
+            row["family"],
+            row["name"],
+            str(row["batch"]),
+            f"{timing['p50_ms']:.2f}",
+            f"{timing['throughput']:.1f}",
+            f"{row['vs_eager']:.2f}x",
+            f"{row['vs_compile']:.2f}x" if "vs_compile" in row else "-",
+            f"{row['f1']:.4f}" if "f1" in row else "-",
+            f"{row['strict_f1']:.4f}" if "strict_f1" in row else "-",
+        )
+    console = Console(width=160)
+    console.print(table)
+    for row in rows:
+        if "passes" in row:
+            kept = ", ".join(row["passes"])
+            console.print(f"{row['family']}, batch {row['batch']}: kept {kept}")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--families", nargs="+", choices=list(BUILDERS), default=list(BUILDERS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--input-size", type=parse_size, default=(480, 640))
+    parser.add_argument("--level", default="o1", choices=["o0", "o1", "o2"])
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--compile-cpu", action="store_true", help="time torch.compile on CPU")
+    parser.add_argument("--json", help="write the rows to this file")
+    return parser.parse_args()
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    height, width = text.lower().split("x")
+    return int(height), int(width)
+
+
+if __name__ == "__main__":
+    main()

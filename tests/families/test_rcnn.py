@@ -1,0 +1,165 @@
+import pytest
+import torch
+from family_testing import (
+    as_list,
+    assert_exports,
+    assert_onnx_runs_as_pytorch,
+    assert_padded_equal_reference,
+    assert_realistic,
+    assert_torchscript_loads_in_a_new_process,
+    exact_torchvision_nms,
+)
+from torchvision.models.detection.roi_heads import paste_masks_in_image
+
+from bladesmith.families.rcnn import (
+    DETECTION_OUTPUTS,
+    MASK_OUTPUTS,
+    FasterRCNNPipeline,
+    MaskRCNNPipeline,
+    build_rcnn,
+    paste_masks,
+)
+from bladesmith.models.images import sample_images
+
+SIZE = (160, 224)
+# Fewer proposals than torchvision's 1,000 keep the CPU tests short; every step is the
+# same at any count.
+SMALL = dict(num_classes=5, rpn_pre_nms_top_n_test=300, rpn_post_nms_top_n_test=200)
+
+
+@pytest.fixture(scope="module")
+def faster():
+    model = build_rcnn("fasterrcnn_mobilenet_v3_large_fpn", SIZE, **SMALL)
+    return model, FasterRCNNPipeline(model, SIZE)
+
+
+@pytest.fixture(scope="module")
+def mask():
+    model = build_rcnn("maskrcnn_resnet50_fpn", SIZE, **SMALL)
+    return model, MaskRCNNPipeline(model, SIZE)
+
+
+def run_both(model, pipeline, images):
+    with torch.no_grad(), exact_torchvision_nms():
+        return model(list(images)), pipeline(images)
+
+
+def test_faster_rcnn_equals_the_torchvision_model(faster):
+    model, pipeline = faster
+    reference, outputs = run_both(model, pipeline, sample_images(3, SIZE))
+    assert_realistic(reference, 50)
+    assert outputs[0].shape == (3, model.roi_heads.detections_per_img, 4)
+    assert_padded_equal_reference(outputs, reference)
+
+
+def test_a_resized_input_equals_the_torchvision_model(faster):
+    model, _ = faster
+    pipeline = FasterRCNNPipeline(model, (120, 200))
+    reference, outputs = run_both(model, pipeline, sample_images(2, (120, 200)))
+    assert_realistic(reference, 20)
+    assert_padded_equal_reference(outputs, reference)
+
+
+def test_proposals_equal_torchvisions_rpn(faster):
+    from torchvision.models.detection.image_list import ImageList
+
+    model, pipeline = faster
+    images = sample_images(2, SIZE)
+    with torch.no_grad(), exact_torchvision_nms():
+        features = pipeline.features(images)
+        batch = ImageList(pipeline.transform(images), [pipeline.transform.resized_size] * 2)
+        reference, _ = model.rpn(batch, features)
+        proposals, valid = pipeline.proposals(features)
+    assert proposals.shape == (2, pipeline.post_nms_top_n, 4)
+    for i, expected in enumerate(reference):
+        n = int(valid[i].sum())
+        assert n == len(expected) and valid[i, :n].all()
+        assert torch.equal(proposals[i, :n], expected)  # same order: by score, as NMS keeps
+
+
+def test_no_detection_over_the_threshold_gives_only_padding(faster):
+    model, pipeline = faster
+    images = sample_images(1, SIZE)
+    pipeline.score_threshold, saved = 1.0, pipeline.score_threshold
+    try:
+        with torch.no_grad():
+            boxes, scores, labels, num = pipeline(images)
+    finally:
+        pipeline.score_threshold = saved
+    assert num.tolist() == [0] and (labels == -1).all() and (boxes == 0).all()
+
+
+def test_mask_rcnn_equals_the_torchvision_model(mask):
+    model, pipeline = mask
+    reference, outputs = run_both(model, pipeline, sample_images(2, SIZE))
+    assert_realistic(reference, 50)
+    assert_padded_equal_reference(outputs, reference)
+    masks = outputs[4]
+    assert masks.shape == (2, model.roi_heads.detections_per_img, 1, *SIZE)
+    for i, detections in enumerate(reference):
+        n = int(outputs[3][i])
+        # Equal scores aside, the order is torchvision's: masks compare slot by slot.
+        assert torch.allclose(masks[i, :n], detections["masks"], atol=1e-5)
+        assert (masks[i, n:] == 0).all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_paste_masks_equals_torchvision(seed):
+    g = torch.Generator().manual_seed(seed)
+    masks = torch.rand(40, 1, 28, 28, generator=g)
+    # Some cross the image's edges (torchvision fails on boxes wholly outside it).
+    corner = torch.rand(40, 2, generator=g) * 100 - 20
+    extent = torch.rand(40, 2, generator=g) * 80 + 25
+    corner[:5] = torch.rand(5, 2, generator=g) * 80
+    extent[:5] = torch.rand(5, 2, generator=g) * 0.5  # under a pixel
+    boxes = torch.cat([corner, corner + extent], dim=1)
+    expected = paste_masks_in_image(masks, boxes, (90, 110))
+    # The same arithmetic but for the order of additions: float32 rounding apart.
+    assert torch.allclose(paste_masks(masks[:, 0], boxes, (90, 110)), expected[:, 0], atol=1e-5)
+
+
+def test_torchscript_save_loads_in_a_new_process(mask, tmp_path):
+    # RoIAlign is torchvision's operator: the fresh process imports torchvision for it.
+    assert_torchscript_loads_in_a_new_process(
+        mask[1], sample_images(1, SIZE), tmp_path, imports=("torchvision",)
+    )
+
+
+def test_torch_export(faster):
+    assert_exports(faster[1], sample_images(2, SIZE))
+
+
+@pytest.mark.parametrize("mode", ["domain", "standard"])
+def test_onnx_runtime_gives_pytorchs_detections(faster, tmp_path, mode):
+    assert_onnx_runs_as_pytorch(
+        faster[1], sample_images(2, SIZE), tmp_path, mode, DETECTION_OUTPUTS
+    )
+
+
+def test_mask_rcnn_onnx_runtime_gives_pytorchs_masks(mask, tmp_path):
+    from torchvision.ops import box_iou
+
+    expected, got = assert_onnx_runs_as_pytorch(
+        mask[1], sample_images(1, SIZE), tmp_path, "standard", MASK_OUTPUTS
+    )
+    n = int(expected[3][0])
+    # Near-equal scores may swap slots: each detection's mask is compared with its match
+    # (same label, IoU > 0.99). ONNX Runtime's RoiAlign rounds differently, and a box
+    # moved by 1e-3 px can cross a whole pixel where the paste truncates: so the mean
+    # difference per mask, not the largest.
+    iou = box_iou(got[0][0, :n], expected[0][0, :n])
+    iou = iou * (got[2][0, :n, None] == expected[2][0, None, :n])
+    best, match = iou.max(dim=1)
+    assert (best > 0.99).all()
+    difference = (got[4][0, :n] - expected[4][0, match]).abs().flatten(1).mean(1)
+    assert difference.max() < 1e-3, difference
+
+
+def test_errors_name_the_argument(faster, mask):
+    with pytest.raises(TypeError, match="model: expected a torchvision Faster R-CNN"):
+        FasterRCNNPipeline(torch.nn.Linear(2, 2), SIZE)
+    with pytest.raises(TypeError, match="model: expected a torchvision Mask R-CNN"):
+        MaskRCNNPipeline(faster[0], SIZE)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        build_rcnn("keypointrcnn_resnet50_fpn")
+    assert as_list(faster[1](sample_images(1, SIZE)))[0]["boxes"].shape[1] == 4
