@@ -3,13 +3,14 @@
     bladesmith check model.onnx --target tensorrt --target directml [--json]
     bladesmith fix model.onnx fixed.onnx --target tensorrt [--input-shape images:1,3,480,640]
 
-Both exit 1 when errors remain (for fix: or when the outputs changed), else 0.
+check exits 2 when the file is missing or not an ONNX model or a target is unknown, 1 when it finds errors, else 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 TARGET_HELP = (
     "tensorrt, tensorrt8, directml, ort-cpu, ort-cuda or all; repeat or separate with "
@@ -62,9 +63,14 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_check(args) -> int:
-    from bladesmith.onnx.check import check, has_errors
+    from bladesmith.onnx.check import NotAModelError, check, has_errors
+    from bladesmith.onnx.targets import UnknownTargetError
 
-    findings = check(args.model, args.target)
+    try:
+        findings = check(args.model, args.target)
+    except (NotAModelError, UnknownTargetError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps([finding.to_dict() for finding in findings], indent=2))
     else:
