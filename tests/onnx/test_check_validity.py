@@ -40,7 +40,7 @@ def no_graph():
 
 INVALID = {
     "no_graph": (no_graph, ["no graph"]),
-    "no_opset": (no_opset, ["no default-domain opset"]),
+    "no_opset": (no_opset, ["imports no opset"]),
     "dangling": (lambda: relu_chain(("x", "a"), ("missing", "y")), ["missing"]),
     "cycle": (lambda: relu_chain(("x", "a"), ("c", "b"), ("b", "c"), ("a", "y")), ["cycle"]),
 }

@@ -3,7 +3,8 @@
     bladesmith check model.onnx --target tensorrt --target directml [--json]
     bladesmith fix model.onnx fixed.onnx --target tensorrt [--input-shape images:1,3,480,640]
 
-check exits 2 when the file is missing or not an ONNX model or a target is unknown, 1 when it finds errors, else 0.
+check exits 2 when the file is missing or not an ONNX model or a target is unknown,
+1 when it finds errors, else 0.
 """
 
 from __future__ import annotations
