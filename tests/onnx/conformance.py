@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -34,6 +35,95 @@ def node_cases() -> list[Case]:
         for case in cases
         if case.model is not None
     ]
+
+
+SHIPPED = ("pytorch-converted", "pytorch-operator", "simple")
+
+
+def shipped_cases() -> list[Case]:
+    """The model tests the onnx package ships with their inputs (the folders in
+    SHIPPED under onnx/backend/test/data)."""
+    root = Path(onnx.__file__).parent / "backend" / "test" / "data"
+    cases = []
+    for folder in SHIPPED:
+        for test in sorted((root / folder).iterdir()):
+            data_sets = []
+            for data_set in sorted(test.glob("test_data_set_*")):
+                inputs = sorted(data_set.glob("input_*.pb"), key=lambda p: int(p.stem[6:]))
+                data_sets.append(tuple(_read_tensor(path) for path in inputs))
+            model = onnx.load(test / "model.onnx")
+            cases.append(Case(f"{folder}/{test.name}", model, tuple(data_sets)))
+    return cases
+
+
+def _read_tensor(path: Path) -> onnx.TensorProto:
+    tensor = onnx.TensorProto()
+    tensor.ParseFromString(path.read_bytes())
+    return tensor
+
+
+@dataclass(frozen=True)
+class Score:
+    """check's errors against ONNX Runtime's failures: a true positive is a model check
+    reports errors for and ONNX Runtime cannot run."""
+
+    true_positives: int
+    false_positives: int
+    false_negatives: int
+    true_negatives: int
+    false_alarms: tuple[str, ...]
+    misses: tuple[str, ...]
+
+    @property
+    def precision(self) -> float:
+        flagged = self.true_positives + self.false_positives
+        return self.true_positives / flagged if flagged else 1.0
+
+    @property
+    def recall(self) -> float:
+        failing = self.true_positives + self.false_negatives
+        return self.true_positives / failing if failing else 1.0
+
+    def __add__(self, other: Score) -> Score:
+        return Score(
+            self.true_positives + other.true_positives,
+            self.false_positives + other.false_positives,
+            self.false_negatives + other.false_negatives,
+            self.true_negatives + other.true_negatives,
+            self.false_alarms + other.false_alarms,
+            self.misses + other.misses,
+        )
+
+    def summary(self) -> str:
+        return (
+            f"precision {self.precision:.3f} recall {self.recall:.3f} "
+            f"(tp {self.true_positives}, fp {self.false_positives}, "
+            f"fn {self.false_negatives}, tn {self.true_negatives})"
+        )
+
+
+def score(cases: list[Case], target: str = "ort-cpu") -> Score:
+    """Run check and ONNX Runtime on every case; check must not raise."""
+    from bladesmith.onnx.check import check, has_errors
+
+    counts = {(True, True): 0, (True, False): 0, (False, True): 0, (False, False): 0}
+    false_alarms, misses = [], []
+    for case in cases:
+        flagged = has_errors(check(case.model, target))
+        failure = ort_failure(case)
+        counts[(flagged, failure is not None)] += 1
+        if flagged and failure is None:
+            false_alarms.append(case.name)
+        elif failure is not None and not flagged:
+            misses.append(f"{case.name}: {failure[:160]}")
+    return Score(
+        counts[(True, True)],
+        counts[(True, False)],
+        counts[(False, True)],
+        counts[(False, False)],
+        tuple(false_alarms),
+        tuple(misses),
+    )
 
 
 def ort_failure(case: Case) -> str | None:
