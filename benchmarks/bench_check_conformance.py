@@ -15,7 +15,6 @@ import time
 
 import onnx
 import onnxruntime
-
 from conformance import node_cases, score, shipped_cases
 
 
