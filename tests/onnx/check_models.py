@@ -121,15 +121,15 @@ def relu(opset=17, static=True):
     )
 
 
-def reduce_mean_opset18():
-    """ReduceMean with axes as an input: opset 18, above DirectML's 17."""
+def reduce_mean(opset=21):
+    """ReduceMean with axes as an input (opset 18 or newer); 21 is above DirectML's 20."""
     nodes = [h.make_node("ReduceMean", ["x", "axes"], ["y"], name="mean", keepdims=1)]
     return model(
         nodes,
         [h.make_tensor_value_info("x", FLOAT, [1, 3, 8, 8])],
         [h.make_tensor_value_info("y", FLOAT, [1, 3, 1, 1])],
         [const("axes", [2, 3], np.int64)],
-        opset=18,
+        opset=opset,
     )
 
 
