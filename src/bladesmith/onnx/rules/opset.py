@@ -75,7 +75,7 @@ def opset_in_range(view: GraphView, target: Target) -> list[Finding]:
                 node=None,
                 message=f"the model uses opset {opset}; {target.title} needs "
                 f"{documented.low} or newer",
-                hint=f"`bladesmith fix` converts it with onnx.version_converter to {documented.low}",
+                hint=f"`bladesmith fix` converts it (onnx.version_converter) to {documented.low}",
                 source=documented.source,
             )
         ]
