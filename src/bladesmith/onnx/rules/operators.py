@@ -223,6 +223,8 @@ def missing_kernel(
         if supported.provider == "CPUExecutionProvider" and _runs_as_float(bound, kernels):
             return None
         reason = f"{name} has no kernel for {_describe(bound, kernels)}"
+    elif supported.schemas is None:
+        reason = f"{name} is not in its operator list"
     else:
         reason = f"{name} has no kernel"
     found = schema(node.op_type, domain, opset)
