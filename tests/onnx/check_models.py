@@ -170,3 +170,30 @@ def empty_tensor():
         [h.make_tensor_value_info("x", FLOAT, [0, 4])],
         [h.make_tensor_value_info("y", FLOAT, [0, 4])],
     )
+
+
+def sliced_shape_floor_division():
+    """x.shape[2:] // 2 as exporters write it in floats: Shape -> Slice(2:) -> Cast(float)
+    -> Div(2) -> Floor -> Cast(int64), the spatial sizes of a Resize."""
+    nodes = [
+        h.make_node("Shape", ["x"], ["s"], name="shape"),
+        h.make_node("Slice", ["s", "start", "end"], ["hw"], name="spatial"),
+        h.make_node("Cast", ["hw"], ["hwf"], name="cast_f", to=FLOAT),
+        h.make_node("Div", ["hwf", "two"], ["half"], name="div"),
+        h.make_node("Floor", ["half"], ["halfr"], name="floor"),
+        h.make_node("Cast", ["halfr"], ["hwi"], name="cast_i", to=INT64),
+        h.make_node("Slice", ["s", "zero", "start"], ["nc"], name="batch_channels"),
+        h.make_node("Concat", ["nc", "hwi"], ["sizes"], name="sizes", axis=0),
+        h.make_node("Resize", ["x", "", "", "sizes"], ["y"], name="resize", mode="nearest"),
+    ]
+    return model(
+        nodes,
+        [image_input()],
+        [h.make_tensor_value_info("y", FLOAT, [1, 3, None, None])],
+        [
+            const("two", 2.0),
+            const("start", [2], np.int64),
+            const("end", [4], np.int64),
+            const("zero", [0], np.int64),
+        ],
+    )
