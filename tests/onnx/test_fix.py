@@ -177,3 +177,26 @@ def test_result_serialises(tmp_path):
     assert data["passed"] is True
     assert data["applied"][0]["kind"] == "integer-shape-arithmetic"
     assert data["verification"]["status"] == "unverified"
+
+
+def test_a_rewrite_the_checker_rejects_is_skipped_with_its_reason(tmp_path, monkeypatch):
+    def break_model(model, targets, applied):
+        applied.append(fix_module.Rewrite("opset-conversion", (), "opset 21 -> 20"))
+        model.graph.node.append(onnx.helper.make_node("Relu", ["nowhere"], ["z"], name="bad"))
+        return model
+
+    monkeypatch.setattr(fix_module, "_convert_opset", break_model)
+    out = tmp_path / "out.onnx"
+    result = fix(save(models.relu(), tmp_path), out, "directml")
+    (conversion,) = result.applied
+    assert conversion.kind == "opset-conversion" and conversion.detail.startswith("skipped: ")
+    assert "nowhere" in conversion.detail
+    assert [n.name for n in onnx.load(out).graph.node] == ["relu"]
+    assert result.verification.status == "passed"
+
+
+def test_reduce_mean_18_converts_down_for_tensorrt8(tmp_path):
+    out = tmp_path / "out.onnx"
+    result = fix(save(models.reduce_mean(18), tmp_path), out, "tensorrt8")
+    assert onnx.load(out).opset_import[0].version == 17
+    assert result.verification.status == "passed" and result.remaining == []

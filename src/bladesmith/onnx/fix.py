@@ -524,11 +524,13 @@ def _compare_in_onnxruntime(
         feeds = synthesise_inputs(original, shapes)
     except ValueError as error:
         return Verification("unverified", str(error))
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # failures come back as exceptions, said in one line
     runs = []
     for label, model in (("original", original), ("fixed", fixed)):
         try:
             session = ort.InferenceSession(
-                model.SerializeToString(), providers=["CPUExecutionProvider"]
+                model.SerializeToString(), options, providers=["CPUExecutionProvider"]
             )
             runs.append(session.run(None, feeds))
         except Exception as error:  # onnxruntime raises its own Fail/InvalidGraph types
