@@ -104,7 +104,7 @@ class Score:
 
 def score(cases: list[Case], target: str = "ort-cpu") -> Score:
     """Run check and ONNX Runtime on every case; check must not raise."""
-    from bladesmith.onnx.check import check, has_errors
+    from bladesmith.onnx.checker import check, has_errors
 
     counts = {(True, True): 0, (True, False): 0, (False, True): 0, (False, False): 0}
     false_alarms, misses = [], []

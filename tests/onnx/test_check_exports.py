@@ -8,8 +8,8 @@ import onnx
 import pytest
 import torch
 
-from bladesmith.onnx.check import check
-from bladesmith.onnx.export import export
+from bladesmith.onnx.checker import check
+from bladesmith.onnx.exporter import export
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from bladesmith.onnx.check import check
+from bladesmith.onnx.checker import check
 
 h = onnx.helper
 T = onnx.TensorProto

@@ -7,7 +7,7 @@ from __future__ import annotations
 import onnx
 import pytest
 
-from bladesmith.onnx.check import check
+from bladesmith.onnx.checker import check
 
 h = onnx.helper
 T = onnx.TensorProto

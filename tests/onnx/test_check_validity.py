@@ -8,7 +8,7 @@ import onnx
 import pytest
 
 from bladesmith.cli import main
-from bladesmith.onnx.check import NotAModelError, check
+from bladesmith.onnx.checker import NotAModelError, check
 
 h = onnx.helper
 FLOAT = onnx.TensorProto.FLOAT

@@ -6,7 +6,7 @@ from __future__ import annotations
 import onnx
 from conformance import Case, node_cases, ort_failure
 
-from bladesmith.onnx.fix import FixError, fix
+from bladesmith.onnx.fixer import FixError, fix
 
 SAMPLE_EVERY = 30
 

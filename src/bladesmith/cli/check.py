@@ -77,7 +77,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_check(args) -> int:
-    from bladesmith.onnx.check import NotAModelError, check, has_errors, load_model
+    from bladesmith.onnx.checker import NotAModelError, check, has_errors, load_model
     from bladesmith.onnx.targets import UnknownTargetError
 
     try:
@@ -96,8 +96,8 @@ def _run_check(args) -> int:
 
 
 def _run_fix(args) -> int:
-    from bladesmith.onnx.check import NotAModelError, load_model
-    from bladesmith.onnx.fix import FixError, InvalidInputError, fix
+    from bladesmith.onnx.checker import NotAModelError, load_model
+    from bladesmith.onnx.fixer import FixError, InvalidInputError, fix
     from bladesmith.onnx.targets import UnknownTargetError
 
     try:

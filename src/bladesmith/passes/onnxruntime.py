@@ -13,16 +13,17 @@ import tempfile
 from pathlib import Path
 
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass, register
+from bladesmith.passes.registry import Context, Pass
 from bladesmith.runtimes.onnxruntime import cpu_runner, export_onnx
+from bladesmith.spec import ONNX_SUFFIX
 
 
-@register
 class OnnxRuntime(Pass):
     """ONNX export + ONNX Runtime session (CPU execution provider)."""
 
     name = "onnxruntime"
     devices = ("cpu",)
+    saves_as = ONNX_SUFFIX
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if importlib.util.find_spec("onnxruntime") is None:

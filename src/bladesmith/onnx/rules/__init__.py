@@ -1,6 +1,6 @@
 """Rules for `bladesmith check`: one module per family, each exporting RULES, a tuple of
 functions `(GraphView, Target) -> list[Finding]`. A new rule is a function added to its
-module's RULES (or a new module added below); check.py runs them all in this order.
+module's RULES (or a new module added below); checker.py runs them all in this order.
 """
 
 from bladesmith.onnx.rules import (
