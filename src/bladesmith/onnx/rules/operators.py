@@ -210,14 +210,14 @@ def missing_kernel(
         return None  # a custom domain: custom_operators() reports it
     opset = view.opsets.get(domain, 1)
     version = supported.since_version(domain, node.op_type, opset)
+    qualified = f"{node.domain}::{node.op_type}" if domain else node.op_type
     if version is None:
-        return (
-            f"{node.domain + '::' if domain else ''}{node.op_type} (opset {opset}) is unknown to it"
-        )
-    name = f"{node.domain + '::' if domain else ''}{node.op_type}-{version}"
+        return f"{qualified} (opset {opset}) is an operator {supported.provider} does not know"
+    name = f"{qualified}-{version}"
     kernels = supported.kernels_for(domain, node.op_type, version)
+    found = schema(node.op_type, domain, opset)
     if kernels:
-        bound = bound_types(view, node, schema(node.op_type, domain, opset))
+        bound = bound_types(view, node, found)
         if any(kernel.accepts(bound) for kernel in kernels):
             return None
         if supported.provider == "CPUExecutionProvider" and _runs_as_float(bound, kernels):
@@ -227,7 +227,6 @@ def missing_kernel(
         reason = f"{name} is not in its operator list"
     else:
         reason = f"{name} has no kernel"
-    found = schema(node.op_type, domain, opset)
     if not expand or depth >= _MAX_FUNCTION_DEPTH or not _expandable(found, opset):
         return reason
     body = function_body(view, node)
