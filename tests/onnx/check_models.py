@@ -121,15 +121,15 @@ def relu(opset=17, static=True):
     )
 
 
-def reduce_mean_opset18():
-    """ReduceMean with axes as an input: opset 18, above DirectML's 17."""
+def reduce_mean(opset=21):
+    """ReduceMean with axes as an input (opset 18 or newer); 21 is above DirectML's 20."""
     nodes = [h.make_node("ReduceMean", ["x", "axes"], ["y"], name="mean", keepdims=1)]
     return model(
         nodes,
         [h.make_tensor_value_info("x", FLOAT, [1, 3, 8, 8])],
         [h.make_tensor_value_info("y", FLOAT, [1, 3, 1, 1])],
         [const("axes", [2, 3], np.int64)],
-        opset=18,
+        opset=opset,
     )
 
 
@@ -169,4 +169,31 @@ def empty_tensor():
         nodes,
         [h.make_tensor_value_info("x", FLOAT, [0, 4])],
         [h.make_tensor_value_info("y", FLOAT, [0, 4])],
+    )
+
+
+def sliced_shape_floor_division():
+    """x.shape[2:] // 2 as exporters write it in floats: Shape -> Slice(2:) -> Cast(float)
+    -> Div(2) -> Floor -> Cast(int64), the spatial sizes of a Resize."""
+    nodes = [
+        h.make_node("Shape", ["x"], ["s"], name="shape"),
+        h.make_node("Slice", ["s", "start", "end"], ["hw"], name="spatial"),
+        h.make_node("Cast", ["hw"], ["hwf"], name="cast_f", to=FLOAT),
+        h.make_node("Div", ["hwf", "two"], ["half"], name="div"),
+        h.make_node("Floor", ["half"], ["halfr"], name="floor"),
+        h.make_node("Cast", ["halfr"], ["hwi"], name="cast_i", to=INT64),
+        h.make_node("Slice", ["s", "zero", "start"], ["nc"], name="batch_channels"),
+        h.make_node("Concat", ["nc", "hwi"], ["sizes"], name="sizes", axis=0),
+        h.make_node("Resize", ["x", "", "", "sizes"], ["y"], name="resize", mode="nearest"),
+    ]
+    return model(
+        nodes,
+        [image_input()],
+        [h.make_tensor_value_info("y", FLOAT, [1, 3, None, None])],
+        [
+            const("two", 2.0),
+            const("start", [2], np.int64),
+            const("end", [4], np.int64),
+            const("zero", [0], np.int64),
+        ],
     )

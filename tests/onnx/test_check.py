@@ -75,12 +75,17 @@ def test_plugin_output_feeding_a_shape_input_is_an_error():
     assert "plugin" in found(findings, "custom-op", "tensorrt")[0].hint.lower()
 
 
-def test_opset_above_directml_ceiling():
-    findings = check(models.reduce_mean_opset18(), ["directml", "tensorrt", "ort-cpu"])
+def test_opset_above_directml_ceiling_is_a_warning_and_above_tensorrt_an_error():
+    findings = check(models.reduce_mean(21), ["directml", "tensorrt", "ort-cpu"])
     (finding,) = found(findings, "opset-too-new", "directml")
-    assert finding.severity == "error" and "opset 18" in finding.message and "17" in finding.message
+    assert finding.severity == "warning" and "opset 21" in finding.message
+    assert "up to 20" in finding.message and "slowly" in finding.message
+    assert "DirectML-ExecutionProvider" in finding.source
     assert not found(findings, "opset-too-new", "tensorrt")
     assert not found(findings, "opset-too-new", "ort-cpu")
+    assert not found(check(models.reduce_mean(20), "directml"), "opset-too-new", "directml")
+    (trt,) = found(check(models.reduce_mean(25), "tensorrt"), "opset-too-new", "tensorrt")
+    assert trt.severity == "error" and "up to 24" in trt.message
 
 
 def test_opset_below_tensorrt_floor():

@@ -46,7 +46,7 @@ def test_dynamic_float_sizes_become_integer_arithmetic(tmp_path):
     assert any(f.rule == "float-shape-arithmetic" for f in result.before)
     assert not any(f.rule == "float-shape-arithmetic" for f in result.remaining)
     assert result.passed
-    assert result.verification.status == "skipped"  # dynamic input and no input_shapes
+    assert result.verification.status == "unverified"  # dynamic input and no input_shapes
 
     fixed = onnx.load(out)
     assert [n.op_type for n in fixed.graph.node] == ["Conv", "Shape", "Mul", "Resize"]
@@ -64,7 +64,8 @@ def test_division_then_rounding_becomes_integer_division(tmp_path, rounding):
     original = models.half_size_constant_of_shape(rounding)
     out = tmp_path / "out.onnx"
     result = fix(save(original, tmp_path), out, "tensorrt")
-    assert [r.kind for r in result.applied] == ["integer-shape-arithmetic"]
+    assert [r.kind for r in result.applied] == ["integer-shape-arithmetic", "unused-initializers"]
+    assert "two" in result.applied[1].detail  # the float divisor nothing reads any more
     assert not any(f.rule == "float-shape-arithmetic" for f in result.remaining)
     for height, width in [(5, 7), (6, 9)]:
         expected, actual = (
@@ -103,21 +104,52 @@ def test_input_shapes_make_a_dynamic_model_static_then_fold_and_verify(tmp_path)
     assert dims == [1, 3, 6, 10]
 
 
+@pytest.mark.parametrize("rounding", ["Floor", "Ceil"])
+def test_a_non_integer_factor_with_a_power_of_two_denominator_becomes_integer(tmp_path, rounding):
+    original = models.float_resize_sizes(factor=1.5, rounding=rounding)
+    out = tmp_path / "out.onnx"
+    result = fix(save(original, tmp_path), out, "tensorrt")
+    (rewrite,) = [r for r in result.applied if r.kind == "integer-shape-arithmetic"]
+    assert "Mul -> Div" in rewrite.detail or "Mul -> Add -> Div" in rewrite.detail
+    assert not any(f.rule == "float-shape-arithmetic" for f in result.remaining)
+    for height, width in [(5, 7), (8, 8), (13, 3)]:  # odd sizes: 7 * 1.5 = 10.5
+        expected = run(original, images(height, width))
+        actual = run(str(out), images(height, width))
+        assert actual[0].shape == expected[0].shape
+        np.testing.assert_array_equal(actual[0], expected[0])
+
+
 def test_inexact_float_arithmetic_is_left_alone_and_still_reported(tmp_path):
     result = fix(
-        save(models.float_resize_sizes(factor=1.5), tmp_path), tmp_path / "out.onnx", "tensorrt"
+        save(models.float_resize_sizes(factor=1.1), tmp_path), tmp_path / "out.onnx", "tensorrt"
     )
     assert not [r for r in result.applied if r.kind == "integer-shape-arithmetic"]
     assert any(f.rule == "float-shape-arithmetic" for f in result.remaining)
     assert not result.passed
 
 
+def test_a_sliced_shape_divided_then_floored_becomes_integer_division(tmp_path):
+    original = models.sliced_shape_floor_division()
+    out = tmp_path / "out.onnx"
+    result = fix(save(original, tmp_path), out, "tensorrt")
+    assert any(f.rule == "float-shape-arithmetic" for f in result.before)
+    (rewrite,) = [r for r in result.applied if r.kind == "integer-shape-arithmetic"]
+    assert rewrite.detail.startswith("Cast -> Div -> Floor -> Cast became Div")
+    assert not [f for f in result.remaining if f.severity == "error"]
+    for height, width in [(5, 7), (8, 8)]:
+        expected, actual = (
+            run(original, images(height, width)),
+            run(str(out), images(height, width)),
+        )
+        np.testing.assert_array_equal(actual[0], expected[0])
+
+
 def test_opset_is_converted_down_to_the_directml_ceiling(tmp_path):
     out = tmp_path / "out.onnx"
-    result = fix(save(models.reduce_mean_opset18(), tmp_path), out, "directml")
+    result = fix(save(models.reduce_mean(21), tmp_path), out, "directml")
     (conversion,) = [r for r in result.applied if r.kind == "opset-conversion"]
-    assert "18 -> 17" in conversion.detail
-    assert onnx.load(out).opset_import[0].version == 17
+    assert "21 -> 20" in conversion.detail
+    assert onnx.load(out).opset_import[0].version == 20
     assert result.remaining == []
     assert result.verification.status == "passed"
 
@@ -144,4 +176,27 @@ def test_result_serialises(tmp_path):
     data = result.to_dict()
     assert data["passed"] is True
     assert data["applied"][0]["kind"] == "integer-shape-arithmetic"
-    assert data["verification"]["status"] == "skipped"
+    assert data["verification"]["status"] == "unverified"
+
+
+def test_a_rewrite_the_checker_rejects_is_skipped_with_its_reason(tmp_path, monkeypatch):
+    def break_model(model, targets, applied):
+        applied.append(fix_module.Rewrite("opset-conversion", (), "opset 21 -> 20"))
+        model.graph.node.append(onnx.helper.make_node("Relu", ["nowhere"], ["z"], name="bad"))
+        return model
+
+    monkeypatch.setattr(fix_module, "_convert_opset", break_model)
+    out = tmp_path / "out.onnx"
+    result = fix(save(models.relu(), tmp_path), out, "directml")
+    (conversion,) = result.applied
+    assert conversion.kind == "opset-conversion" and conversion.detail.startswith("skipped: ")
+    assert "nowhere" in conversion.detail
+    assert [n.name for n in onnx.load(out).graph.node] == ["relu"]
+    assert result.verification.status == "passed"
+
+
+def test_reduce_mean_18_converts_down_for_tensorrt8(tmp_path):
+    out = tmp_path / "out.onnx"
+    result = fix(save(models.reduce_mean(18), tmp_path), out, "tensorrt8")
+    assert onnx.load(out).opset_import[0].version == 17
+    assert result.verification.status == "passed" and result.remaining == []

@@ -17,7 +17,7 @@ _COMMAND_MODULES = (
     "bladesmith.cli.optimize",
     "bladesmith.cli.doctor",
     "bladesmith.cli.ops",
-    "bladesmith.onnx.check_cli",
+    "bladesmith.cli.check",
     "bladesmith.cli.export",
 )
 

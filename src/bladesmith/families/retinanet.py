@@ -218,8 +218,15 @@ def concat_levels(levels: list[torch.Tensor], dtype: torch.dtype | None) -> torc
     """
     if len(levels) == 1:
         return _as_dtype(levels[0], dtype)
-    halves = [half for level in levels for half in level.tensor_split(2, dim=1)]
+    halves = [half for level in levels for half in _halves(level)]
     return torch.cat([_as_dtype(half, dtype) for half in halves], dim=1)
+
+
+def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.tensor_split(2, dim=1) as two slices: the ONNX exporter turns tensor_split into
+    SplitToSequence/SequenceAt, which TensorRT does not implement, and slices into Slice."""
+    first = (x.shape[1] + 1) // 2
+    return x[:, :first], x[:, first:]
 
 
 def _as_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

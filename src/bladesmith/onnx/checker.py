@@ -18,19 +18,26 @@ from bladesmith.errors import BladesmithError
 from bladesmith.onnx.rules import RULES
 from bladesmith.onnx.rules.finding import SEVERITIES, Finding
 from bladesmith.onnx.rules.graph import GraphView
+from bladesmith.onnx.rules.validity import invalid_graph
 from bladesmith.onnx.targets import Target, resolve_targets
 
-__all__ = ["Finding", "check", "has_errors", "load_model"]
+__all__ = ["Finding", "NotAModelError", "check", "has_errors", "load_model"]
 
 
 def check(
     model_or_path: onnx.ModelProto | str | Path,
     targets: str | Target | Iterable[str | Target],
 ) -> list[Finding]:
-    """Findings for each target, errors first within a target. The model is not changed."""
-    view = GraphView(load_model(model_or_path))
+    """Findings for each target, errors first within a target. The model is not changed.
+    A model that is not a valid graph gets its invalid-graph findings only."""
+    model = load_model(model_or_path)
+    resolved = resolve_targets(targets)
+    invalid = invalid_graph(model)
+    if invalid:
+        return invalid
+    view = GraphView(model)
     findings = []
-    for target in resolve_targets(targets):
+    for target in resolved:
         found = [finding for rule in RULES for finding in rule(view, target)]
         findings.extend(sorted(found, key=lambda f: SEVERITIES.index(f.severity)))
     return findings
@@ -40,14 +47,24 @@ def has_errors(findings: Iterable[Finding]) -> bool:
     return any(finding.severity == "error" for finding in findings)
 
 
+class NotAModelError(BladesmithError, ValueError):
+    """The file is missing, unreadable, or holds no ONNX model (the CLI exits 2)."""
+
+
 def load_model(model_or_path: onnx.ModelProto | str | Path) -> onnx.ModelProto:
     """The model itself, or loaded (with its external data) from a path."""
     if isinstance(model_or_path, onnx.ModelProto):
-        return model_or_path
-    path = Path(model_or_path)
-    if not path.is_file():
-        raise BladesmithError(f"no ONNX model at {path}")
-    try:
-        return onnx.load(path)
-    except Exception as error:  # protobuf raises its own DecodeError, among others
-        raise BladesmithError(f"{path} is not a readable ONNX model: {error}") from error
+        model, where = model_or_path, "the model"
+    else:
+        path = Path(model_or_path)
+        if not path.is_file():
+            raise NotAModelError(f"no ONNX model at {path}")
+        try:
+            model = onnx.load(path)
+        except Exception as error:  # protobuf raises its own DecodeError, among others
+            raise NotAModelError(f"{path} is not a readable ONNX model: {error}") from None
+        where = str(path)
+    # An empty file parses as an empty ModelProto: nothing in it is a model.
+    if model.ByteSize() == 0:
+        raise NotAModelError(f"{where} is empty: not an ONNX model")
+    return model

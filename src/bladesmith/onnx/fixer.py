@@ -5,18 +5,24 @@ again and confirm in ONNX Runtime that its outputs did not change.
     result.applied     # the rewrites, each with the nodes it touched
     result.remaining   # findings `check` still reports on the fixed model
 
-Steps, in order:
+Steps, in order, each kept only when onnx's checker accepts its result (else skipped,
+with the reason in `applied`):
 1. fold constant subgraphs with onnxslim (shape arithmetic on static shapes disappears;
    `input_shapes` makes dynamic inputs static first);
 2. rewrite what is left of float shape arithmetic as integer arithmetic, where that is
    exact (integer-shape-arithmetic, below);
-3. convert the opset with onnx.version_converter when a target needs another one;
-4. write the model (a temporary file, then a rename), re-check it, and run both models
-   on the same synthesised inputs in ONNX Runtime's CPU provider.
+3. remove initializers nothing reads;
+4. convert the opset with onnx.version_converter when a target needs another one;
+5. run both models on the same synthesised inputs in ONNX Runtime's CPU provider, write
+   the model (one atomic write), and check it again.
+
+Failures are FixError, one line each, with nothing written: InvalidInputError for an
+input that is not a valid graph or an output that cannot be written.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +35,7 @@ from bladesmith.errors import BladesmithError
 from bladesmith.onnx.checker import Finding, check, load_model
 from bladesmith.onnx.rules.graph import FLOAT_TYPES, GraphView, attribute
 from bladesmith.onnx.rules.opset import opset_range
+from bladesmith.onnx.rules.validity import invalid_graph
 from bladesmith.onnx.targets import Target, resolve_targets
 
 _INTEGER_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32})
@@ -36,6 +43,10 @@ _INTEGER_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32})
 
 class FixError(BladesmithError, RuntimeError):
     """The fixed model could not be produced or its outputs differ from the original's."""
+
+
+class InvalidInputError(FixError, ValueError):
+    """The input is not a valid graph or the output cannot be written (the CLI exits 2)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +62,9 @@ class Rewrite:
 class Verification:
     """Outputs of the original and the fixed model on the same inputs (ORT CPU)."""
 
-    status: str  # "passed" | "failed" | "skipped"
+    # "passed" | "failed" | "skipped" (not asked for) | "unverified" (could not be run:
+    # dynamic inputs without input_shapes, or ONNX Runtime cannot run the original)
+    status: str
     reason: str = ""
     outputs: dict[str, str] = field(default_factory=dict)  # output -> comparison summary
 
@@ -102,16 +115,23 @@ def fix(
         the fixed model is not written and FixError is raised.
     """
     resolved = resolve_targets(targets)
+    out_path = _writable(Path(out_path))
     original = load_model(in_path)
+    invalid = invalid_graph(original)
+    if invalid:
+        raise InvalidInputError(f"{in_path}: {invalid[0].message}; fix rewrites valid graphs only")
     shapes = {name: [int(d) for d in dims] for name, dims in (input_shapes or {}).items()}
     _check_input_names(original, shapes)
     before = check(original, resolved)
 
     applied: list[Rewrite] = []
-    model = _fold_constants(original, shapes, applied)
-    model = _integer_shape_arithmetic(model, applied)
-    model = _convert_opset(model, resolved, applied)
-    onnx.checker.check_model(model)
+    model = _step("constant-fold", lambda m: _fold_constants(m, shapes, applied), original, applied)
+    model = _step("integer-shape-arithmetic", lambda m: _integer_shape_arithmetic(m, applied),
+                  model, applied)  # fmt: skip
+    model = _step("unused-initializers", lambda m: _drop_unused_initializers(m, applied), model,
+                  applied)  # fmt: skip
+    model = _step("opset-conversion", lambda m: _convert_opset(m, resolved, applied), model,
+                  applied)  # fmt: skip
 
     verification = (
         _compare_in_onnxruntime(original, model, shapes)
@@ -123,7 +143,10 @@ def fix(
             f"the fixed model's outputs differ from the original's ({verification.reason}); "
             f"nothing was written to {out_path}"
         )
-    write_atomically(out_path, lambda temporary: onnx.save(model, str(temporary)))
+    try:
+        write_atomically(out_path, lambda temporary: onnx.save(model, str(temporary)))
+    except (OSError, ValueError) as error:  # ValueError: protobuf's 2 GiB limit
+        raise InvalidInputError(f"could not write {out_path}: {error}") from None
     return FixResult(
         input_path=str(in_path),
         output_path=str(out_path),
@@ -133,6 +156,35 @@ def fix(
         remaining=check(model, resolved),
         verification=verification,
     )
+
+
+def _writable(path: Path) -> Path:
+    """`path` when a file can be written there, else InvalidInputError saying why."""
+    if path.is_dir():
+        raise InvalidInputError(f"output {path} is a folder; give a file name ending in .onnx")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise InvalidInputError(f"cannot write {path}: {folder} is not a writable folder")
+    return path
+
+
+def _step(kind: str, rewrite, model: onnx.ModelProto, applied: list[Rewrite]) -> onnx.ModelProto:
+    """`rewrite` applied to a copy of `model`, kept only when onnx's checker accepts the
+    result; otherwise `model` as it was and a note saying why the step was skipped."""
+    count = len(applied)
+    candidate = onnx.ModelProto()
+    candidate.CopyFrom(model)
+    try:
+        result = rewrite(candidate)
+        onnx.checker.check_model(result)
+    except Exception as error:  # onnxslim, the converter and the checker raise many types
+        del applied[count:]
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        applied.append(Rewrite(kind, (), f"skipped: {reason[:300]}"))
+        return model
+    return result
 
 
 def _check_input_names(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> None:
@@ -183,12 +235,14 @@ def _fold_constants(
 # -- 2. float shape arithmetic as integers -----------------------------------------------
 #
 # Pattern: x (int64/int32) -> Cast(to=float) -> [Mul|Add|Sub by an integer-valued
-# constant, Neg, Floor|Ceil|Round, Div by a positive integer followed by Floor or Ceil]*
+# constant, Neg, Floor|Ceil|Round, Div by a positive integer followed by Floor or Ceil,
+# Mul by a positive p/q (q a power of two: 1.5, 0.75) followed by Floor or Ceil]*
 # -> Cast(to=int). Every intermediate value is then an integer, so Floor/Ceil/Round are
 # identities and the chain equals the same arithmetic done in x's integer type; Div
-# needs x >= 0 (true of dimensions read by Shape/Size) for integer division to be the
-# floor. Exact while the float values are exact integers: below 2**24 for float32, which
-# every tensor dimension is in practice (above it the float original was already off).
+# needs x >= 0 (true of dimensions read by Shape/Size, perhaps through Slice/Gather) for
+# integer division to be the floor. Exact while the float values are exact integers:
+# below 2**24 for float32, which every tensor dimension is in practice (above it the
+# float original was already off).
 
 
 @dataclass(frozen=True)
@@ -239,8 +293,7 @@ def _find_integer_chain(view: GraphView):
 
 def _integer_chain(view: GraphView, cast: onnx.NodeProto):
     """(steps, final Cast) when the chain after `cast` can be done in integers, else None."""
-    producer = view.producer.get(cast.input[0])
-    non_negative = producer is not None and producer.op_type in ("Shape", "Size")
+    non_negative = _is_dimension(view, cast.input[0])
     steps: list[_Step] = []
     current = cast.output[0]
     while True:
@@ -255,6 +308,13 @@ def _integer_chain(view: GraphView, cast: onnx.NodeProto):
         elif node.op_type == "Neg":
             steps.append(_Step("Neg", None, (node,)))
             non_negative = False
+        elif node.op_type == "Mul" and (scaled := _scaled_division(view, node, current)):
+            if not non_negative:
+                return None
+            multiplier, divisor, rounding = scaled
+            op = "FloorDiv" if rounding.op_type == "Floor" else "CeilDiv"
+            steps += [_Step("Mul", multiplier, (node,)), _Step(op, divisor, (rounding,))]
+            node = rounding
         elif node.op_type in ("Mul", "Add", "Sub"):
             constant, current_first = _integer_operand(view, node, current)
             if constant is None:
@@ -280,6 +340,40 @@ def _integer_chain(view: GraphView, cast: onnx.NodeProto):
         else:
             return None
         current = node.output[0]
+
+
+# Selections that pass dimensions through unchanged: their outputs are still >= 0.
+_DIMENSION_PASSING = frozenset({"Slice", "Gather", "Unsqueeze", "Squeeze", "Reshape", "Identity"})
+_MAX_DENOMINATOR = 2**16
+
+
+def _is_dimension(view: GraphView, tensor: str) -> bool:
+    """Whether `tensor` holds dimensions (>= 0): read by Shape/Size, perhaps selected."""
+    producer = view.producer.get(tensor)
+    while producer is not None and producer.op_type in _DIMENSION_PASSING:
+        producer = view.producer.get(producer.input[0])
+    return producer is not None and producer.op_type in ("Shape", "Size")
+
+
+def _scaled_division(view: GraphView, node: onnx.NodeProto, current: str):
+    """(multiplier p, divisor q, rounding node) when the Mul multiplies by a positive
+    non-integer p/q with q a power of two (1.5, 0.75: float32 holds x * p/q exactly)
+    and is followed by Floor or Ceil: floor(x * p/q) == (x * p) div q for x >= 0."""
+    if len(node.input) != 2 or node.input[0] == node.input[1]:
+        return None
+    value = view.constant_value(node.input[1] if node.input[0] == current else node.input[0])
+    rounding = _single_consumer(view, node.output[0])
+    if value is None or rounding is None or rounding.op_type not in ("Floor", "Ceil"):
+        return None
+    value = value.astype(np.float64)
+    if not np.all(np.isfinite(value)) or value.min() <= 0 or np.all(value == np.round(value)):
+        return None
+    divisor = 2
+    while divisor <= _MAX_DENOMINATOR and not np.all(value * divisor == np.round(value * divisor)):
+        divisor *= 2
+    if divisor > _MAX_DENOMINATOR:
+        return None
+    return np.round(value * divisor), np.asarray(divisor), rounding
 
 
 def _integer_operand(view: GraphView, node: onnx.NodeProto, current: str):
@@ -367,7 +461,31 @@ def _new_initializer(graph: onnx.GraphProto, name: str, value: np.ndarray) -> st
     return name
 
 
-# -- 3. opset conversion ------------------------------------------------------------------
+# -- 3. unused initializers ---------------------------------------------------------------
+
+
+def _drop_unused_initializers(model: onnx.ModelProto, applied: list[Rewrite]) -> onnx.ModelProto:
+    """Initializers no node (subgraphs included) reads and no output returns: dead
+    weight in the file, and some parsers warn about each."""
+    graph = model.graph
+    used = {name for node in GraphView(model).all_nodes() for name in node.input}
+    used |= {output.name for output in graph.output}
+    unused = [init.name for init in graph.initializer if init.name not in used]
+    if not unused:
+        return model
+    dropped = set(unused)
+    kept = [init for init in graph.initializer if init.name not in dropped]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    inputs = [i for i in graph.input if i.name not in dropped]
+    del graph.input[:]
+    graph.input.extend(inputs)
+    shown = ", ".join(unused[:5]) + (f" (and {len(unused) - 5} more)" if len(unused) > 5 else "")
+    applied.append(Rewrite("unused-initializers", (), f"removed {len(unused)}: {shown}"))
+    return model
+
+
+# -- 4. opset conversion ------------------------------------------------------------------
 
 
 def _convert_opset(
@@ -392,7 +510,7 @@ def _convert_opset(
     return converted
 
 
-# -- 4. verification and saving -----------------------------------------------------------
+# -- 5. verification and saving -----------------------------------------------------------
 
 
 def _compare_in_onnxruntime(
@@ -405,16 +523,21 @@ def _compare_in_onnxruntime(
     try:
         feeds = synthesise_inputs(original, shapes)
     except ValueError as error:
-        return Verification("skipped", str(error))
+        return Verification("unverified", str(error))
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # failures come back as exceptions, said in one line
     runs = []
-    for model in (original, fixed):
+    for label, model in (("original", original), ("fixed", fixed)):
         try:
             session = ort.InferenceSession(
-                model.SerializeToString(), providers=["CPUExecutionProvider"]
+                model.SerializeToString(), options, providers=["CPUExecutionProvider"]
             )
             runs.append(session.run(None, feeds))
         except Exception as error:  # onnxruntime raises its own Fail/InvalidGraph types
-            return Verification("skipped", f"ONNX Runtime CPU cannot run the model: {error}")
+            reason = str(error).strip().splitlines()[0][:300]
+            if label == "original":
+                return Verification("unverified", f"ONNX Runtime CPU cannot run it: {reason}")
+            return Verification("failed", f"ONNX Runtime CPU runs the original, not this: {reason}")
     names = [output.name for output in original.graph.output]
     verification = Verification("passed")
     for name, reference, candidate in zip(names, *runs, strict=True):
@@ -430,7 +553,8 @@ def synthesise_inputs(
     model: onnx.ModelProto, shapes: Mapping[str, list[int]] | None = None, seed: int = 0
 ) -> dict[str, np.ndarray]:
     """Random inputs for every graph input; ValueError names an input whose shape is not
-    fixed (neither static in the model nor given in `shapes`)."""
+    fixed (neither static in the model nor given in `shapes`) or that is not a numeric
+    tensor (a sequence, an optional, strings)."""
     rng = np.random.default_rng(seed)
     shapes = shapes or {}
     initializers = {init.name for init in model.graph.initializer}
@@ -439,6 +563,14 @@ def synthesise_inputs(
         if graph_input.name in initializers:
             continue
         tensor_type = graph_input.type.tensor_type
+        if graph_input.type.WhichOneof("value") != "tensor_type" or tensor_type.elem_type in (
+            0,
+            onnx.TensorProto.STRING,
+        ):
+            raise ValueError(
+                f"input {graph_input.name!r} is not a numeric tensor; random values for it "
+                "cannot be made"
+            )
         dims = shapes.get(graph_input.name) or [
             dim.dim_value if dim.HasField("dim_value") else None for dim in tensor_type.shape.dim
         ]

@@ -2,7 +2,8 @@
 
 A target is where an ONNX model is meant to run: an ONNX Runtime execution provider or a
 TensorRT engine. The facts below come from each vendor's documentation; the README's
-"Deployment targets" gives the sources and what to do about each rule.
+"Deployment targets" gives the sources and what to do about each rule. Operator lists,
+opset ranges and restrictions are data: rules/operator_support.json, rules/restrictions.json.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ class Target:
     """What one deployment target accepts.
 
     name: the id used on the command line.
-    opset_range: (lowest, highest) default-domain opset the target implements; None when
-        it is read from the target's operator list (ONNX Runtime providers).
     kernel_source: whose operator list decides "implemented": an ONNX Runtime provider
         name, or "TensorRT10"/"TensorRT8" for the TensorRT ONNX parser.
     cpu_fallback: an operator the target lacks runs on ONNX Runtime's CPU provider
@@ -39,7 +38,6 @@ class Target:
 
     name: str
     title: str
-    opset_range: tuple[int, int] | None
     kernel_source: str
     cpu_fallback: bool
     trt_shape_rules: bool
@@ -56,8 +54,6 @@ TARGETS: dict[str, Target] = {
         Target(
             name="tensorrt",
             title="TensorRT 10 (ONNX parser)",
-            # onnx-tensorrt docs/operators.md: TensorRT 10.15 supports opsets 9 to 24.
-            opset_range=(9, 24),
             kernel_source="TensorRT10",
             cpu_fallback=False,
             trt_shape_rules=True,
@@ -73,8 +69,6 @@ TARGETS: dict[str, Target] = {
         Target(
             name="tensorrt8",
             title="TensorRT 8.5/8.6 (ONNX parser)",
-            # onnx-tensorrt docs/operators.md for TensorRT 8.5: up to opset 17.
-            opset_range=(7, 17),
             kernel_source="TensorRT8",
             cpu_fallback=False,
             trt_shape_rules=True,
@@ -90,8 +84,6 @@ TARGETS: dict[str, Target] = {
         Target(
             name="directml",
             title="ONNX Runtime DirectML (Windows, DirectX 12)",
-            # ONNX Runtime's DirectML page: "supports up to ONNX opset 17".
-            opset_range=(1, 17),
             kernel_source="DmlExecutionProvider",
             cpu_fallback=True,
             trt_shape_rules=False,
@@ -106,7 +98,6 @@ TARGETS: dict[str, Target] = {
         Target(
             name="ort-cpu",
             title="ONNX Runtime CPU",
-            opset_range=None,
             kernel_source="CPUExecutionProvider",
             cpu_fallback=False,
             trt_shape_rules=False,
@@ -118,7 +109,6 @@ TARGETS: dict[str, Target] = {
         Target(
             name="ort-cuda",
             title="ONNX Runtime CUDA",
-            opset_range=None,
             kernel_source="CUDAExecutionProvider",
             cpu_fallback=True,
             trt_shape_rules=False,

@@ -88,6 +88,33 @@ class GraphView:
                 return entry.version
         return 1
 
+    @cached_property
+    def opsets(self) -> dict[str, int]:
+        """Imported opset per domain ("" for the default one)."""
+        return {
+            "" if entry.domain in STANDARD_DOMAINS else entry.domain: entry.version
+            for entry in self.model.opset_import
+        }
+
+    def type_proto(self, tensor: str) -> onnx.TypeProto | None:
+        """The tensor's declared or inferred type, None when unknown."""
+        if tensor in self.initializers:
+            init = self.initializers[tensor]
+            return onnx.helper.make_tensor_type_proto(init.data_type, list(init.dims))
+        info = self.value_info.get(tensor)
+        if info is None or not info.type.WhichOneof("value"):
+            return None
+        return info.type
+
+    def type_string(self, tensor: str) -> str | None:
+        """The type as ONNX and ONNX Runtime spell it ("tensor(float)", "seq(tensor(int64))"),
+        None when unknown."""
+        type_proto = self.type_proto(tensor)
+        if type_proto is None:
+            elem_type = self.elem_type(tensor)
+            return None if elem_type is None else _type_string_of_elem(elem_type)
+        return type_string(type_proto)
+
     def all_nodes(self) -> list[onnx.NodeProto]:
         """Every node, those inside If/Loop/Scan bodies included."""
         found: list[onnx.NodeProto] = []
@@ -185,6 +212,30 @@ class GraphView:
             if producer.op_type not in SHAPE_READERS:
                 queue.extend(entry for entry in producer.input if entry)
         return tuple(seen.values()), tuple(inputs)
+
+
+def type_string(type_proto: onnx.TypeProto) -> str | None:
+    kind = type_proto.WhichOneof("value")
+    if kind == "tensor_type":
+        return _type_string_of_elem(type_proto.tensor_type.elem_type)
+    if kind == "sparse_tensor_type":
+        inner = _type_string_of_elem(type_proto.sparse_tensor_type.elem_type)
+        return None if inner is None else f"sparse_{inner}"
+    if kind in ("sequence_type", "optional_type"):
+        inner = type_string(getattr(type_proto, kind).elem_type)
+        wrapper = "seq" if kind == "sequence_type" else "optional"
+        return None if inner is None else f"{wrapper}({inner})"
+    if kind == "map_type":
+        key = onnx.TensorProto.DataType.Name(type_proto.map_type.key_type).lower()
+        value = type_string(type_proto.map_type.value_type)
+        return None if value is None else f"map({key},{value})"
+    return None
+
+
+def _type_string_of_elem(elem_type: int) -> str | None:
+    if not elem_type:
+        return None
+    return f"tensor({onnx.TensorProto.DataType.Name(elem_type).lower()})"
 
 
 def attribute(node: onnx.NodeProto, name: str, default=None):
