@@ -167,3 +167,77 @@ def test_cuda_events_on_a_real_gpu():
     assert timing.method == "cuda-events"
     assert timing.device.startswith("cuda")
     assert 0 < timing.min_ms <= timing.p50_ms <= timing.p99_ms <= timing.max_ms
+
+
+def test_median_interval_from_order_statistics():
+    # Ten rounds: x(2)..x(9) holds the median with 1 - 2 * 11/1024 = 97.9%.
+    low, high, confidence = bench.median_interval(list(range(10, 0, -1)))
+    assert (low, high) == (2, 9)
+    assert confidence == pytest.approx(1 - 22 / 1024)
+    # Five rounds cannot reach 95%: the full range, with what it does hold.
+    assert bench.median_interval([3, 1, 2, 5, 4]) == (1, 5, pytest.approx(1 - 2 / 32))
+    with pytest.raises(ValueError, match="empty"):
+        bench.median_interval([])
+
+
+def test_compare_alternates_which_runs_first():
+    order = []
+    bench.compare(lambda: order.append("A"), lambda: order.append("B"), warmup=1, iters=6, rounds=3)
+    assert order[:2] == ["A", "B"]  # warm-up, one each
+    timed = order[2:]
+    assert timed == ["A", "A", "B", "B", "B", "B", "A", "A", "A", "A", "B", "B"]
+
+
+def test_compare_reads_a_real_speedup_with_an_interval():
+    speedup = bench.compare(
+        lambda: time.sleep(0.006), lambda: time.sleep(0.002), warmup=1, iters=10
+    )
+    assert len(speedup.round_ratios) == 10
+    assert speedup.low <= speedup.ratio <= speedup.high
+    assert speedup.clears(1.2) and speedup.ratio < 4
+    assert speedup.baseline.iterations == speedup.candidate.iterations == 10
+    assert speedup.describe().startswith(f"{speedup.ratio:.2f}x [")
+    assert bench.Speedup.from_dict(speedup.to_dict()) == speedup
+
+
+def test_compare_is_not_fooled_by_a_machine_that_slows_down():
+    """Both sides run the same code on a machine that gets slower with every call:
+    timed one after the other, the second would read as twice as slow; alternating
+    rounds keep the median ratio at 1 and the interval around it."""
+    calls = [0]
+
+    def drifting():
+        calls[0] += 1
+        time.sleep(0.001 * (1 + 0.2 * calls[0]))
+
+    speedup = bench.compare(drifting, drifting, warmup=0, iters=10)
+    assert speedup.low <= 1.0 <= speedup.high
+    assert not speedup.clears(1.0)
+    calls[0] = 0
+    first = measure(drifting, warmup=0, iters=10)
+    second = measure(drifting, warmup=0, iters=10)
+    assert first.p50_ms / second.p50_ms < 0.7  # what timing them apart would have said
+
+
+def test_compare_doubts_what_cannot_be_right():
+    nothing = bench.compare(lambda: time.sleep(0.002), lambda: None, warmup=1, iters=5)
+    assert nothing.implausible
+    assert any("launch floor" in doubt for doubt in nothing.doubts), nothing
+    too_fast = bench.compare(
+        lambda: time.sleep(0.05), lambda: time.sleep(0.0002), warmup=0, iters=3
+    )
+    assert too_fast.implausible
+    assert any("more than removing work can give on cpu" in d for d in too_fast.doubts)
+    assert too_fast.cpu_ratio is not None  # sleeping takes no CPU time: a cross-check
+
+
+def test_compare_doubts_a_spread_out_run():
+    calls = [0]
+
+    def jumpy():
+        calls[0] += 1
+        time.sleep(0.02 if calls[0] % 5 == 0 else 0.002)
+
+    speedup = bench.compare(jumpy, lambda: time.sleep(0.002), warmup=0, iters=10, rounds=2)
+    assert not speedup.implausible
+    assert any("the baseline's p90" in doubt for doubt in speedup.doubts), speedup
