@@ -47,7 +47,7 @@ def test_measure_cpu_sleep():
     assert (timing.warmup, timing.iterations, timing.batch_size) == (2, 6, 8)
     assert timing.min_ms >= 2.0 and timing.mean_ms >= 2.0
     assert timing.min_ms <= timing.p50_ms <= timing.p90_ms <= timing.p99_ms <= timing.max_ms
-    assert timing.throughput == pytest.approx(8 / (timing.mean_ms / 1000))
+    assert timing.throughput == pytest.approx(8 / (timing.p50_ms / 1000))
 
 
 def test_measure_passes_kwargs_and_reports_progress():
@@ -94,7 +94,7 @@ def test_measure_batches_reports_throughput_per_batch_size():
     assert [t.batch_size for t in timings] == [1, 4]
     assert timings[1].mean_ms >= 4.0
     for timing in timings:
-        assert timing.throughput == pytest.approx(timing.batch_size * 1000 / timing.mean_ms)
+        assert timing.throughput == pytest.approx(timing.batch_size * 1000 / timing.p50_ms)
 
 
 class FakeClock:
@@ -222,10 +222,12 @@ def test_compare_is_not_fooled_by_a_machine_that_slows_down():
     assert first.p50_ms / second.p50_ms < 0.7  # what timing them apart would have said
 
 
-def test_compare_doubts_what_cannot_be_right():
+def test_compare_doubts_what_cannot_be_right(monkeypatch):
+    assert 0 < bench.launch_floor_ms("cpu") < 1.0  # one-element additions, measured
+    monkeypatch.setattr(bench, "launch_floor_ms", lambda device: 0.5)
     nothing = bench.compare(lambda: time.sleep(0.002), lambda: None, warmup=1, iters=5)
     assert nothing.implausible
-    assert any("launch floor" in doubt for doubt in nothing.doubts), nothing
+    assert any("below cpu's launch floor (0.5000 ms)" in d for d in nothing.doubts), nothing
     one = torch.zeros(1)
     too_fast = bench.compare(lambda: time.sleep(0.1), lambda: one.add(1), warmup=0, iters=3)
     assert too_fast.implausible

@@ -80,7 +80,7 @@ class Timing:
     method: str
     device: str
     batch_size: int
-    throughput: float  # items per second: batch_size / mean latency
+    throughput: float  # items per second: batch_size / median latency
 
     @classmethod
     def from_samples(
@@ -96,9 +96,10 @@ class Timing:
         if samples.size == 0:
             raise ValueError("samples_ms is empty: time at least one iteration")
         mean = float(samples.mean())
+        median = percentile(samples, 50)
         return cls(
             mean_ms=mean,
-            p50_ms=percentile(samples, 50),
+            p50_ms=median,
             p90_ms=percentile(samples, 90),
             p99_ms=percentile(samples, 99),
             min_ms=float(samples.min()),
@@ -109,7 +110,7 @@ class Timing:
             method=method,
             device=device,
             batch_size=batch_size,
-            throughput=batch_size * 1000.0 / mean if mean > 0 else math.inf,
+            throughput=batch_size * 1000.0 / median if median > 0 else math.inf,
         )
 
     def to_dict(self) -> dict:
@@ -266,6 +267,21 @@ def compare(
         load=sum(loads) / len(loads) if loads else None,
     )
     doubts, implausible = _doubts(speedup, clock.device)
+    return dataclasses.replace(speedup, doubts=doubts, implausible=implausible)
+
+
+def same(timing: Timing) -> Speedup:
+    """A run against itself, timed once: 1.00x by construction, with its doubts."""
+    speedup = Speedup(
+        ratio=1.0,
+        low=1.0,
+        high=1.0,
+        confidence=1.0,
+        round_ratios=(),
+        baseline=timing,
+        candidate=timing,
+    )
+    doubts, implausible = _doubts(speedup, _device(timing.device, ()))
     return dataclasses.replace(speedup, doubts=doubts, implausible=implausible)
 
 

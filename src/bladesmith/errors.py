@@ -20,3 +20,7 @@ def describe(error: BaseException) -> str:
     """One line for a report: the error's type and message, cut at 400 characters."""
     text = f"{type(error).__name__}: {error}".strip()
     return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
+
+
+class ModelRunError(BladesmithError):
+    """The model as given failed on its test inputs (a wrong input size, say)."""
