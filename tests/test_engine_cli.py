@@ -67,8 +67,8 @@ def test_optimize_a_model_file_then_bench_the_artifacts(tmp_path, model_file, ca
 
 
 def test_optimize_reports_a_missing_model_file(tmp_path, capsys):
-    assert main(["optimize", str(tmp_path / "missing.pt"), "--device", "cpu"]) == 1
-    assert "neither a built-in model" in capsys.readouterr().err
+    assert main(["optimize", str(tmp_path / "missing.pt"), "--device", "cpu"]) == 2
+    assert "no such file; expected a built-in model" in capsys.readouterr().err
 
 
 def test_builtin_detector_gets_a_list_of_photographs():

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from bladesmith._files import write_atomically
+from bladesmith._files import contents, first_line, unreadable, write_atomically
 from bladesmith.bench import iter_tensors
 from bladesmith.devices import with_index
-from bladesmith.errors import BladesmithError
+from bladesmith.errors import BladesmithError, MissingFileError
 from bladesmith.models.images import as_batch
 from bladesmith.runtimes.onnxruntime import cpu_runner, export_onnx
 from bladesmith.runtimes.torchscript import freeze, quiet_torchscript
@@ -77,8 +77,10 @@ class OptimizedModule(nn.Module):
 
     @classmethod
     def from_candidate(cls, candidate, *, spec=None, output="native", example_args=None):
+        # The model as given (nothing applied) runs as its own forward, through nothing.
+        untouched = not candidate.applied and candidate.runner is None
         return cls(
-            candidate,
+            candidate.module if untouched else candidate,
             device=candidate.device,
             padded_detections=candidate.padded_detections,
             output=output,
@@ -190,8 +192,10 @@ def load(path: str | os.PathLike) -> OptimizedModule:
     """The artifact ``save`` wrote, as a module with the optimized module's call and
     outputs. bladesmith's custom operators are loaded first."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"load: no file {str(path)!r}")
+    problem = unreadable(path)
+    if problem:
+        error = MissingFileError if not path.exists() else BladesmithError
+        raise error(f"load: {str(path)!r}: {problem}")
     if path.suffix not in SAVE_FORMATS:
         known = ", ".join(SAVE_FORMATS)
         raise BladesmithError(f"load: {str(path)!r} has an unknown suffix; expected {known}")
@@ -207,9 +211,12 @@ def load(path: str | os.PathLike) -> OptimizedModule:
             metadata = extra[_TORCHSCRIPT_EXTRA] or None
         else:
             run, metadata = _read_onnx(path)
-    except (RuntimeError, OSError, BladesmithError) as error:
-        hint = f" (bladesmith's custom operators did not load: {ops_error})" if ops_error else ""
-        raise BladesmithError(f"load: cannot load {str(path)!r}: {error}{hint}") from error
+    except Exception as error:  # torch, protobuf and zipfile each raise their own
+        hint = f"; bladesmith's custom operators did not load: {ops_error}" if ops_error else ""
+        raise BladesmithError(
+            f"load: cannot load {str(path)!r}, {contents(path)} ({first_line(error)}){hint}; "
+            "bladesmith.load reads what bladesmith.save wrote"
+        ) from error
     if metadata is None:
         raise BladesmithError(
             f"load: {str(path)!r} has no bladesmith metadata: it was not written by "

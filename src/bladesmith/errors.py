@@ -9,6 +9,10 @@ class DeviceUnavailableError(BladesmithError, RuntimeError):
     """The device asked for does not exist here; the message names what is missing."""
 
 
+class MissingFileError(BladesmithError, FileNotFoundError):
+    """A file bladesmith was asked to read does not exist."""
+
+
 class OpsBuildError(BladesmithError, RuntimeError):
     """The custom-operator library could not be built or loaded; names the missing tool."""
 

@@ -83,7 +83,7 @@ def test_bad_arguments(dynamic_model, tmp_path, capsys):
             ]
         )
     assert exit_info.value.code == 2
-    assert main(["check", str(dynamic_model), "-t", "tpu"]) == 1
+    assert main(["check", str(dynamic_model), "-t", "tpu"]) == 2
     assert "unknown target 'tpu'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["check", str(dynamic_model)])  # --target is required

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 
-from bladesmith.cli.args import at_least, input_size
+from bladesmith.cli.args import at_least, input_size, output_file, pass_name, readable_file
 from bladesmith.cli.models import DEFAULT_MODEL, MODEL_HELP, model_or_file
 
 DEFAULT_INPUT_SIZE = (480, 640)
+SAVE_SUFFIXES = (".pt2", ".pt", ".onnx")  # spec.SAVE_FORMATS, without importing torch
 # A 2-core CPU takes seconds per call of the full detector: the demo times few runs there.
 DEMO_CPU_TIMING = (1, 3)
 
@@ -37,11 +38,16 @@ def add_parser(subparsers) -> None:
         help=f"{MODEL_HELP} (default: {DEFAULT_MODEL})",
     )
     optimize.add_argument(
-        "--weights", metavar="FILE", help="state dict for the built-in model (local file)"
+        "--weights",
+        type=readable_file,
+        metavar="FILE",
+        help="state dict for the built-in model (local file; a training checkpoint that "
+        "holds one under 'model', 'state_dict', ... is unwrapped)",
     )
     _add_run_options(optimize)
     optimize.add_argument(
         "--out",
+        type=output_file(*SAVE_SUFFIXES),
         metavar="PATH",
         help="save the optimized model: .pt2 (AOTInductor) or .pt (TorchScript)",
     )
@@ -58,7 +64,12 @@ def add_parser(subparsers) -> None:
         ),
     )
     _add_run_options(demo)
-    demo.add_argument("--out", metavar="PATH", help="save the optimized model (.pt2 or .pt)")
+    demo.add_argument(
+        "--out",
+        type=output_file(*SAVE_SUFFIXES),
+        metavar="PATH",
+        help="save the optimized model (.pt2 or .pt)",
+    )
     demo.set_defaults(func=run_demo, model=DEFAULT_MODEL, weights=None)
 
     bench = subparsers.add_parser(
@@ -70,10 +81,14 @@ def add_parser(subparsers) -> None:
             "throughput, speedup over the first, and agreement of outputs with the first's."
         ),
     )
-    bench.add_argument("artifacts", nargs="+", metavar="ARTIFACT", help=".pt2 or .pt files")
+    bench.add_argument(
+        "artifacts", nargs="+", type=readable_file, metavar="ARTIFACT", help=".pt2 or .pt files"
+    )
     bench.add_argument("--warmup", type=at_least(0), help="warm-up runs (default: device's)")
     bench.add_argument("--iters", type=at_least(1), help="timed runs (default: device's)")
-    bench.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    bench.add_argument(
+        "--json", type=output_file(), metavar="PATH", help="also write the table as JSON"
+    )
     bench.set_defaults(func=run_bench)
 
 
@@ -98,17 +113,30 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=at_least(0), help="warm-up runs per candidate")
     parser.add_argument("--iters", type=at_least(1), help="timed runs per candidate")
     parser.add_argument(
-        "--exclude", action="append", default=[], metavar="PASS", help="skip a pass (repeatable)"
+        "--exclude",
+        action="append",
+        default=[],
+        type=pass_name,
+        metavar="PASS",
+        help="skip a pass (repeatable)",
     )
     parser.add_argument(
         "--include",
         action="append",
         default=[],
+        type=pass_name,
         metavar="PASS",
         help="try a pass the level leaves out (repeatable)",
     )
-    parser.add_argument("--report", metavar="PATH", help="write the report as JSON")
-    parser.add_argument("--chart", metavar="PATH", help="write a PNG chart of latency per pass")
+    parser.add_argument(
+        "--report", type=output_file(), metavar="PATH", help="write the report as JSON"
+    )
+    parser.add_argument(
+        "--chart",
+        type=output_file(".png"),
+        metavar="PATH",
+        help="write a PNG chart of latency per pass",
+    )
 
 
 def run_optimize(args: argparse.Namespace) -> int:
@@ -116,6 +144,7 @@ def run_optimize(args: argparse.Namespace) -> int:
 
     import bladesmith
     from bladesmith.devices import resolve_device
+    from bladesmith.errors import BladesmithError, ModelRunError
     from bladesmith.report import output_console
 
     device = resolve_device(args.device)
@@ -127,9 +156,18 @@ def run_optimize(args: argparse.Namespace) -> int:
         exclude=tuple(args.exclude),
         progress=True,
     )
-    optimized, spec, report = bladesmith.optimize(
-        model, level=args.level, device=device, test_data=test_data, config=config
-    )
+    try:
+        optimized, spec, report = bladesmith.optimize(
+            model, level=args.level, device=device, test_data=test_data, config=config
+        )
+    except ModelRunError as error:
+        if not isinstance(model, str):  # a built-in model takes any size: not the user's
+            raise
+        height, width = args.input_size
+        raise BladesmithError(
+            f"{model}: {error}; give --input-size (now {height}x{width}) and --batch (now "
+            f"{args.batch}) that the model takes"
+        ) from error
     console = output_console()
     report.render(console)
     if args.report:

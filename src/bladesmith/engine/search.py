@@ -25,6 +25,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bladesmith import bench
+from bladesmith._files import first_line
 from bladesmith.artifact import OptimizedModule
 from bladesmith.bench import Speedup
 from bladesmith.config import Config, check_level
@@ -388,7 +389,7 @@ def _reference_outputs(given: Candidate, context: Context) -> list:
         ]
         raise ModelRunError(
             f"the model as given failed on the test inputs (tensors of shapes {shapes}): "
-            f"{describe(error)}"
+            f"{first_line(error)}"
         ) from error
 
 

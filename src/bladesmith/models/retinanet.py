@@ -20,6 +20,7 @@ from torch import nn
 
 from bladesmith.models.images import as_batch, sample_images
 from bladesmith.models.packed_head import PackedRetinaNetHead
+from bladesmith.models.weights import load_weights
 from bladesmith.ops import load_library
 
 BACKBONES = ("resnet50", "resnet18")
@@ -75,8 +76,7 @@ def build_retinanet(
             model = RetinaNet(body, num_classes, **sizes)
     model.eval()
     if weights is not None:
-        state = torch.load(Path(weights), map_location="cpu", weights_only=True)
-        model.load_state_dict(state)
+        load_weights(model, weights)
     elif realistic_load:
         calibrate_for_realistic_load(model, (height, width))
     return model

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from bladesmith.cli.args import output_file, readable_file
+
 TARGET_HELP = (
     "tensorrt, tensorrt8, directml, ort-cpu, ort-cuda or all; repeat or separate with "
     "commas for several"
@@ -24,7 +26,7 @@ def add_parser(subparsers) -> None:
         description="Report what stops an ONNX model from building or running well on "
         "each target: rule id, severity, node and a fix hint.",
     )
-    check.add_argument("model", help="the .onnx file")
+    check.add_argument("model", type=readable_file, help="the .onnx file")
     _add_common(check)
     check.set_defaults(func=_run_check)
 
@@ -35,8 +37,8 @@ def add_parser(subparsers) -> None:
         "integers where exact, convert the opset, verify the outputs in ONNX Runtime, "
         "and report what is left.",
     )
-    fix.add_argument("model", help="the .onnx file to fix (left unchanged)")
-    fix.add_argument("output", help="where to write the fixed model")
+    fix.add_argument("model", type=readable_file, help="the .onnx file to fix (left unchanged)")
+    fix.add_argument("output", type=output_file(".onnx"), help="where to write the fixed model")
     _add_common(fix)
     fix.add_argument(
         "--input-shape",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import onnx
 
+from bladesmith._files import contents, first_line, unreadable
 from bladesmith.errors import BladesmithError
 from bladesmith.onnx.rules import RULES
 from bladesmith.onnx.rules.finding import SEVERITIES, Finding
@@ -45,9 +46,14 @@ def load_model(model_or_path: onnx.ModelProto | str | Path) -> onnx.ModelProto:
     if isinstance(model_or_path, onnx.ModelProto):
         return model_or_path
     path = Path(model_or_path)
-    if not path.is_file():
-        raise BladesmithError(f"no ONNX model at {path}")
+    problem = unreadable(path)
+    if problem:
+        raise BladesmithError(f"ONNX model {str(path)!r}: {problem}")
     try:
         return onnx.load(path)
     except Exception as error:  # protobuf raises its own DecodeError, among others
-        raise BladesmithError(f"{path} is not a readable ONNX model: {error}") from error
+        what = contents(path)
+        hint = "export one with bladesmith export onnx" if "model" in what else "an ONNX file"
+        raise BladesmithError(
+            f"{str(path)!r} is not a readable ONNX model but {what} ({first_line(error)}); {hint}"
+        ) from error
