@@ -39,9 +39,10 @@ class Config:
     (``bladesmith.bench.STATISTIC`` says how both are computed).
     Passes: ``include`` adds passes that the level leaves out, ``exclude`` removes
     passes; both by name (see ``bladesmith.passes.registry.names()``).
-    ``output="padded"`` makes a detector's optimized module take one batch tensor
-    [B, 3, H, W] and return (boxes, scores, labels, num_detections) padded to a fixed
-    size, instead of torchvision's list of dicts.
+    ``output="padded"`` makes the optimized module of a model that a family adapts
+    (``bladesmith.families``: a detector) take one batch tensor [B, 3, H, W] and return
+    the family's padded tensors (a detector's boxes, scores, labels, num_detections),
+    instead of the model's own structure.
     ``allow_degenerate``: keep passes even when the comparison has nothing to compare
     (non-finite inputs or reference outputs, no outputs, all-zero outputs, no detections),
     which is otherwise diagnosed and keeps nothing.

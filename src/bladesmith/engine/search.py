@@ -35,6 +35,7 @@ from bladesmith.engine.progress import Progress
 from bladesmith.engine.reference import Reference
 from bladesmith.engine.result import compatibility, diagnosis, spec_of
 from bladesmith.errors import describe
+from bladesmith.families import family_of
 from bladesmith.passes import registry
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, PassSkipped
@@ -115,7 +116,9 @@ def optimize(
     given = Candidate(module=working, device=device)
     best, best_run = given, finish(given)
     with progress.step("running the model as given"):
-        reference = Reference(_reference_outputs(best, context), working, context)
+        reference = Reference(
+            _reference_outputs(best, context), working, context, family_of(working)
+        )
     nothing = degenerate_reasons(reference.outputs, test_args)
     if nothing:
         consent = (
@@ -186,8 +189,11 @@ def optimize(
         best, spec=spec, output=config.output, example_args=best.runner_args(test_args[0])
     )
     progress.done(overall)
-    if config.output == "padded" and not best.padded_detections:
-        context.notes.append("output='padded' applies to detectors; outputs are the model's own")
+    if config.output == "padded" and best.family is None:
+        context.notes.append(
+            "output='padded' applies to models a family adapts to a fixed-shape pipeline "
+            "(bladesmith.families); outputs are the model's own"
+        )
     report = Report(
         software_context=software_context(),
         hardware_context=hardware_context(device),
