@@ -9,12 +9,12 @@ import sys
 
 import pytest
 import torch
-from torch import nn
 from torch.utils import _pytree as pytree
 
 import bladesmith
 from bladesmith.config import Config
 from engine_testing import cuda, tiny_detector
+from test_artifact import optimized_net
 
 QUICK = Config(warmup=0, iters=1)
 
@@ -58,13 +58,7 @@ def reload_in_new_process(path, args: tuple, expected, tmp_path, rtol=1e-4, atol
 
 @pytest.fixture(scope="module")
 def net():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
-    x = torch.randn(2, 3, 8, 8)
-    optimized, spec, _ = bladesmith.optimize(
-        model, device="cpu", test_data=[(x,)], config=QUICK, passes=[]
-    )
-    return optimized, spec, x
+    return optimized_net()
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".pt2", ".onnx"])

@@ -49,9 +49,7 @@ def test_the_readme_example_prints_a_line_per_pass_when_piped(tmp_path):
     done = _run([sys.executable, "-c", script], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = _pass_lines(done.stderr)
-    assert any(line.startswith("bladesmith: kept fixed_shape: ") for line in lines), (
-        done.stderr
-    )
+    assert any(line.startswith("bladesmith: kept fixed_shape: ") for line in lines), done.stderr
     assert len(lines) >= 2
     assert any(line.startswith("bladesmith: result: ") for line in done.stderr.splitlines())
     assert "\r" not in done.stderr and "\x1b[" not in done.stderr  # no spinner, no colours
@@ -63,8 +61,6 @@ def test_the_demo_prints_a_line_per_pass_when_piped(tmp_path):
     done = _run(argv, cwd=tmp_path)
     assert done.returncode in (0, 1), done.stderr[-3000:]  # 1: accuracy failed, reported
     lines = _pass_lines(done.stderr)
-    assert any(line.startswith("bladesmith: kept fixed_shape: ") for line in lines), (
-        done.stderr
-    )
+    assert any(line.startswith("bladesmith: kept fixed_shape: ") for line in lines), done.stderr
     assert "\r" not in done.stderr and "\x1b[" not in done.stderr
     assert "Overall" in done.stdout
