@@ -123,7 +123,7 @@ def test_save_and_load_errors_say_what_is_wrong(tmp_path):
         bladesmith.save(optimized, tmp_path / "net.bin")
     with pytest.raises(BladesmithError, match="module returned by bladesmith.optimize"):
         bladesmith.save(nn.Linear(2, 2), tmp_path / "net.pt")
-    with pytest.raises(FileNotFoundError, match="no file"):
+    with pytest.raises(FileNotFoundError, match="no such file"):
         bladesmith.load(tmp_path / "missing.pt")
     foreign = tmp_path / "foreign.pt"
     torch.jit.save(torch.jit.script(nn.Linear(2, 2)), str(foreign))

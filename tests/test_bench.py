@@ -47,7 +47,7 @@ def test_measure_cpu_sleep():
     assert (timing.warmup, timing.iterations, timing.batch_size) == (2, 6, 8)
     assert timing.min_ms >= 2.0 and timing.mean_ms >= 2.0
     assert timing.min_ms <= timing.p50_ms <= timing.p90_ms <= timing.p99_ms <= timing.max_ms
-    assert timing.throughput == pytest.approx(8 / (timing.mean_ms / 1000))
+    assert timing.throughput == pytest.approx(8 / (timing.p50_ms / 1000))
 
 
 def test_measure_passes_kwargs_and_reports_progress():
@@ -94,7 +94,7 @@ def test_measure_batches_reports_throughput_per_batch_size():
     assert [t.batch_size for t in timings] == [1, 4]
     assert timings[1].mean_ms >= 4.0
     for timing in timings:
-        assert timing.throughput == pytest.approx(timing.batch_size * 1000 / timing.mean_ms)
+        assert timing.throughput == pytest.approx(timing.batch_size * 1000 / timing.p50_ms)
 
 
 class FakeClock:
@@ -167,3 +167,81 @@ def test_cuda_events_on_a_real_gpu():
     assert timing.method == "cuda-events"
     assert timing.device.startswith("cuda")
     assert 0 < timing.min_ms <= timing.p50_ms <= timing.p99_ms <= timing.max_ms
+
+
+def test_median_interval_from_order_statistics():
+    # Twenty rounds: x(4)..x(17) holds the median with 1 - 2 P(Bin(20, 1/2) <= 3) > 99%
+    # (x(5)..x(16) only with 98.8%).
+    low, high, confidence = bench.median_interval(list(range(20, 0, -1)))
+    assert (low, high) == (4, 17)
+    assert confidence == pytest.approx(1 - 2 * 1351 / 2**20)
+    # Ten: only the full range reaches 99% (x(2)..x(9) holds it with 97.9%).
+    assert bench.median_interval(list(range(10))) == (0, 9, pytest.approx(1 - 2 / 1024))
+    # Five rounds cannot reach 95%: the full range, with what it does hold.
+    assert bench.median_interval([3, 1, 2, 5, 4]) == (1, 5, pytest.approx(1 - 2 / 32))
+    with pytest.raises(ValueError, match="empty"):
+        bench.median_interval([])
+
+
+def test_compare_alternates_which_runs_first():
+    order = []
+    bench.compare(lambda: order.append("A"), lambda: order.append("B"), warmup=1, iters=6, rounds=3)
+    assert order[:2] == ["A", "B"]  # warm-up, one each
+    timed = order[2:]
+    assert timed == ["A", "A", "B", "B", "B", "B", "A", "A", "A", "A", "B", "B"]
+
+
+def test_compare_reads_a_real_speedup_with_an_interval():
+    speedup = bench.compare(
+        lambda: time.sleep(0.008), lambda: time.sleep(0.002), warmup=1, iters=20
+    )
+    assert len(speedup.round_ratios) == 10
+    assert speedup.ratio == speedup.baseline.p50_ms / speedup.candidate.p50_ms
+    assert speedup.clears(1.2) and speedup.ratio < 4
+    assert speedup.baseline.iterations == speedup.candidate.iterations == 20
+    assert speedup.describe().startswith(f"{speedup.ratio:.2f}x [")
+    assert bench.Speedup.from_dict(speedup.to_dict()) == speedup
+
+
+def test_compare_is_not_fooled_by_a_machine_that_slows_down():
+    """Both sides run the same code on a machine that gets slower with every call:
+    timed one after the other, the second would read as twice as slow; alternating
+    rounds keep the median ratio at 1 and the interval around it."""
+    calls = [0]
+
+    def drifting():
+        calls[0] += 1
+        time.sleep(0.001 * (1 + 0.2 * calls[0]))
+
+    speedup = bench.compare(drifting, drifting, warmup=0, iters=10)
+    assert speedup.low <= 1.0 <= speedup.high
+    assert not speedup.clears(1.0)
+    calls[0] = 0
+    first = measure(drifting, warmup=0, iters=10)
+    second = measure(drifting, warmup=0, iters=10)
+    assert first.p50_ms / second.p50_ms < 0.7  # what timing them apart would have said
+
+
+def test_compare_doubts_what_cannot_be_right(monkeypatch):
+    assert 0 < bench.launch_floor_ms("cpu") < 1.0  # one-element additions, measured
+    monkeypatch.setattr(bench, "launch_floor_ms", lambda device: 0.5)
+    nothing = bench.compare(lambda: time.sleep(0.002), lambda: None, warmup=1, iters=5)
+    assert nothing.implausible
+    assert any("below cpu's launch floor (0.5000 ms)" in d for d in nothing.doubts), nothing
+    one = torch.zeros(1)
+    too_fast = bench.compare(lambda: time.sleep(0.1), lambda: one.add(1), warmup=0, iters=3)
+    assert too_fast.implausible
+    assert any("more than removing work can give on cpu" in d for d in too_fast.doubts)
+    assert too_fast.cpu_ratio is not None  # the CPU time's cross-check
+
+
+def test_compare_doubts_a_spread_out_run():
+    calls = [0]
+
+    def jumpy():
+        calls[0] += 1
+        time.sleep(0.02 if calls[0] % 5 == 0 else 0.002)
+
+    speedup = bench.compare(jumpy, lambda: time.sleep(0.002), warmup=0, iters=10, rounds=2)
+    assert not speedup.implausible
+    assert any("the baseline's p90" in doubt for doubt in speedup.doubts), speedup

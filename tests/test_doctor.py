@@ -290,3 +290,18 @@ def test_doctor_reports_directml_that_finds_no_device(monkeypatch):
     assert {"name": "torch-directml", "version": "0.2.5.dev240914", "detail": ""} in [
         dataclasses.asdict(package) for package in result.packages
     ]
+
+
+def test_a_virtual_environments_root_stands_for_its_site_packages(tmp_path, capsys):
+    from bladesmith.cli import main
+
+    root = tmp_path / "env"
+    site_packages = root / "lib" / "python3.11" / "site-packages"
+    site_packages.mkdir(parents=True)
+    (root / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    weights = site_packages / "model.pth"
+    weights.write_bytes(b"\x80\x02}q\x00binary weights")
+    assert main(["doctor", "--json", "--site-dir", str(root)]) == 1
+    report = json.loads(capsys.readouterr().out)
+    [pitfall] = [p for p in report["pitfalls"] if p["id"] == "binary-pth"]
+    assert str(weights) in pitfall["message"]

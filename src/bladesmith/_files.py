@@ -3,13 +3,16 @@
 Every file bladesmith writes (artifacts, reports, charts, ONNX exports and fixes, bench
 tables) goes through here, so all of them get the mode a new file gets (0666 less the
 umask: 0644 usually), never ``mkstemp``'s private 0600, and a crash never leaves half a
-file under the target's name.
+file under the target's name. ``unreadable``, ``unwritable`` and ``contents`` say, in a
+few words for an error message, why a path cannot be read or written and what a file
+holds when it is not what was expected.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,3 +44,67 @@ def _new_file_mode() -> int:
     umask = os.umask(0)  # the only way to read it; set back at once
     os.umask(umask)
     return 0o666 & ~umask
+
+
+def unreadable(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be read as a file, in a few words naming the fix, or None."""
+    path = Path(path)
+    if not path.exists():
+        return "no such file"
+    if path.is_dir():
+        return "a folder, not a file"
+    if not os.access(path, os.R_OK):
+        return "permission denied (make it readable: chmod u+r)"
+    if path.stat().st_size == 0:
+        return "an empty file"
+    return None
+
+
+def unwritable(path: str | os.PathLike) -> str | None:
+    """Why a file cannot be written at ``path``, naming the fix, or None."""
+    path = Path(path)
+    folder = path.parent
+    if path.is_dir():
+        return "a folder: name a file in it"
+    if not folder.is_dir():
+        return f"the folder {str(folder)!r} does not exist (create it first)"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"permission denied in {str(folder)!r}"
+    return None
+
+
+def contents(path: str | os.PathLike) -> str:
+    """What ``path`` holds, as far as its first bytes and a ZIP's names tell: for error
+    messages that say what a file is when it is not what was expected."""
+    path = Path(path)
+    with open(path, "rb") as stream:
+        head = stream.read(8)
+    if head.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except (zipfile.BadZipFile, OSError):
+            return "a damaged ZIP archive (truncated or corrupt)"
+        if any(name.endswith("/archive_format") for name in names):
+            return "a torch.export or AOTInductor package"
+        if any("/code/" in name for name in names):
+            return "a TorchScript model"
+        if any(name.endswith("/data.pkl") for name in names):
+            return "a torch.save file (tensors or a state dict), not a model"
+        return "a ZIP archive without a model in it"
+    if head.startswith(b"\x80"):
+        return "a pickle (torch.save's legacy format), not a model"
+    if head[:1] == b"\x08":
+        return "possibly an ONNX model"
+    return "neither a ZIP archive nor a model file (unrecognised bytes)"
+
+
+def first_line(error: BaseException) -> str:
+    """The sentence of an error's message that says what went wrong: the first line's
+    first sentence (torch's carry advice and C++ stacks after it), or the last line for
+    TorchScript's interpreter, whose message starts with the Python stack."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    line = lines[-1] if lines[0].startswith("The following operation failed") else lines[0]
+    return line.split(". ", 1)[0].removesuffix(".")

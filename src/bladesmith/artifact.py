@@ -25,10 +25,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from bladesmith._files import write_atomically
+from bladesmith._files import contents, first_line, unreadable, write_atomically
 from bladesmith.bench import iter_tensors
 from bladesmith.devices import with_index
-from bladesmith.errors import BladesmithError
+from bladesmith.errors import BladesmithError, MissingFileError
 from bladesmith.families import Family, family_named
 from bladesmith.ops import libraries
 from bladesmith.runtimes.onnxruntime import cpu_runner, export_onnx
@@ -81,8 +81,10 @@ class OptimizedModule(nn.Module):
 
     @classmethod
     def from_candidate(cls, candidate, *, spec=None, output="native", example_args=None):
+        # The model as given (nothing applied) runs as its own forward, through nothing.
+        untouched = not candidate.applied and candidate.runner is None
         return cls(
-            candidate,
+            candidate.module if untouched else candidate,
             device=candidate.device,
             family=candidate.family,
             output=output,
@@ -198,8 +200,10 @@ def load(path: str | os.PathLike) -> OptimizedModule:
     """The artifact ``save`` wrote, as a module with the optimized module's call and
     outputs. bladesmith's custom operators are loaded first."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"load: no file {str(path)!r}")
+    problem = unreadable(path)
+    if problem:
+        error = MissingFileError if not path.exists() else BladesmithError
+        raise error(f"load: {str(path)!r}: {problem}")
     if path.suffix not in SAVE_FORMATS:
         known = ", ".join(SAVE_FORMATS)
         raise BladesmithError(f"load: {str(path)!r} has an unknown suffix; expected {known}")
@@ -216,12 +220,15 @@ def load(path: str | os.PathLike) -> OptimizedModule:
             metadata = extra[_TORCHSCRIPT_EXTRA] or None
         else:
             run, metadata = _read_onnx(path)
-    except (RuntimeError, OSError, BladesmithError) as error:
+    except Exception as error:  # torch, protobuf and zipfile each raise their own
         missing = libraries.missing_operator_error(error, path, _peek_libraries(path))
         if missing is not None:
             raise missing from None
-        hint = f" (bladesmith's custom operators did not load: {ops_error})" if ops_error else ""
-        raise BladesmithError(f"load: cannot load {str(path)!r}: {error}{hint}") from error
+        hint = f"; bladesmith's custom operators did not load: {ops_error}" if ops_error else ""
+        raise BladesmithError(
+            f"load: cannot load {str(path)!r}, {contents(path)} ({first_line(error)}){hint}; "
+            "bladesmith.load reads what bladesmith.save wrote"
+        ) from error
     if metadata is None:
         raise BladesmithError(
             f"load: {str(path)!r} has no bladesmith metadata: it was not written by "

@@ -32,15 +32,21 @@ class Config:
     F1 >= ``min_f1`` at IoU >= ``iou_threshold``, same class.
     ``disable_fp16_accuracy_check`` keeps fp16/bf16 even when it moves the outputs past
     tolerance (the report still shows by how much).
-    Timing: ``warmup``/``iters`` default per device (None: CUDA 20/100, CPU 3/10); a pass
-    is kept only if it is at least ``min_speedup`` times faster than the best so far.
+    Timing: ``warmup``/``iters`` default per device (None: CUDA 20/100, CPU 3/10), for
+    each side of a comparison: a candidate and the best so far run in ``rounds``
+    alternating rounds (default 10, at most ``iters``); a pass is kept only when the
+    interval of its speedup lies above ``min_speedup``
+    (``bladesmith.bench.STATISTIC`` says how both are computed).
     Passes: ``include`` adds passes that the level leaves out, ``exclude`` removes
     passes; both by name (see ``bladesmith.passes.registry.names()``).
     ``output="padded"`` makes the optimized module of a model that a family adapts
     (``bladesmith.families``: a detector) take one batch tensor [B, 3, H, W] and return
     the family's padded tensors (a detector's boxes, scores, labels, num_detections),
     instead of the model's own structure.
-    ``progress``: show a spinner during long steps; None shows it on a terminal.
+    ``allow_degenerate``: keep passes even when the comparison has nothing to compare
+    (non-finite inputs or reference outputs, no outputs, all-zero outputs, no detections),
+    which is otherwise diagnosed and keeps nothing.
+    ``progress``: a spinner on a terminal, else a line per pass (None or True); False: quiet.
     """
 
     rtol: float | None = None
@@ -50,10 +56,12 @@ class Config:
     disable_fp16_accuracy_check: bool = False
     warmup: int | None = None
     iters: int | None = None
+    rounds: int | None = None
     min_speedup: float = 1.03
     include: tuple[str, ...] = field(default_factory=tuple)
     exclude: tuple[str, ...] = field(default_factory=tuple)
     output: str = "native"
+    allow_degenerate: bool = False
     progress: bool | None = None
 
     def __post_init__(self):
@@ -77,6 +85,8 @@ class Config:
             raise ValueError(f"Config.warmup must be an integer >= 0, got {self.warmup!r}")
         if self.iters is not None and (not isinstance(self.iters, int) or self.iters < 1):
             raise ValueError(f"Config.iters must be an integer >= 1, got {self.iters!r}")
+        if self.rounds is not None and (not isinstance(self.rounds, int) or self.rounds < 1):
+            raise ValueError(f"Config.rounds must be an integer >= 1, got {self.rounds!r}")
         if self.min_speedup <= 0:
             raise ValueError(f"Config.min_speedup must be > 0, got {self.min_speedup!r}")
         if self.output not in OUTPUT_FORMS:
@@ -109,6 +119,12 @@ class Config:
             self.warmup if self.warmup is not None else warmup,
             self.iters if self.iters is not None else iters,
         )
+
+    def timing_rounds(self, iters: int) -> int:
+        """Rounds a comparison alternates over: ``rounds``, else 10; at most ``iters``."""
+        from bladesmith.bench import DEFAULT_ROUNDS
+
+        return min(self.rounds if self.rounds is not None else DEFAULT_ROUNDS, iters)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -105,7 +105,8 @@ class DoctorResult:
 
 def doctor(site_dirs: Iterable[str | os.PathLike] = ()) -> DoctorResult:
     """Examine this machine. ``site_dirs`` are scanned for binary .pth files as well as
-    this interpreter's site directories (e.g. those of an environment that no longer starts).
+    this interpreter's site directories (e.g. those of an environment that no longer
+    starts; a virtual environment's root stands for its site-packages).
     """
     packages = installed_packages()
     torch_build = _module_constants("torch", "version.py")
@@ -113,7 +114,8 @@ def doctor(site_dirs: Iterable[str | os.PathLike] = ()) -> DoctorResult:
     devices = _collect_devices(packages, torch_build.get("cuda"), pitfalls)
     providers = _collect_providers(packages, pitfalls)
     toolchain = collect_toolchain(torch_build.get("cuda"))
-    pitfalls += check_binary_pth([*site_directories(), *map(Path, site_dirs)])
+    named = [site for directory in site_dirs for site in environment_site_dirs(directory)]
+    pitfalls += check_binary_pth([*site_directories(), *named])
     pitfalls += check_torch(packages)
     pitfalls += check_torch_torchvision(packages)
     pitfalls += check_onnxruntime_variants(packages)
@@ -351,6 +353,20 @@ def site_directories() -> list[Path]:
     if _IS_WINDOWS:  # a venv's root is a site directory there
         directories.append(sys.prefix)
     return [Path(directory) for directory in dict.fromkeys(directories)]
+
+
+def environment_site_dirs(directory: str | os.PathLike) -> list[Path]:
+    """The directories to scan for ``directory``: a virtual environment's root (it has a
+    pyvenv.cfg) stands for its site-packages (lib/pythonX.Y/site-packages, or
+    Lib/site-packages on Windows), and the root itself, which Windows reads as well;
+    any other directory is itself."""
+    directory = Path(directory)
+    if not (directory / "pyvenv.cfg").is_file():
+        return [directory]
+    found = sorted(directory.glob("lib/python*/site-packages")) + sorted(
+        directory.glob("Lib/site-packages")
+    )
+    return [*found, directory]
 
 
 def find_binary_pth_files(directories: Iterable[str | os.PathLike]) -> list[Path]:

@@ -9,6 +9,10 @@ class DeviceUnavailableError(BladesmithError, RuntimeError):
     """The device asked for does not exist here; the message names what is missing."""
 
 
+class MissingFileError(BladesmithError, FileNotFoundError):
+    """A file bladesmith was asked to read does not exist."""
+
+
 class OpsBuildError(BladesmithError, RuntimeError):
     """The custom-operator library could not be built or loaded; names the missing tool."""
 
@@ -20,3 +24,7 @@ def describe(error: BaseException) -> str:
     """One line for a report: the error's type and message, cut at 400 characters."""
     text = f"{type(error).__name__}: {error}".strip()
     return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
+
+
+class ModelRunError(BladesmithError):
+    """The model as given failed on its test inputs (a wrong input size, say)."""

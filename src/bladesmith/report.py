@@ -36,7 +36,10 @@ _STATUS_COLOR = {
 
 @dataclass
 class PassRecord:
-    """What one pass did. Latencies in ms; ``speedup`` is pre_run / post_run.
+    """What one pass did. Latencies in ms, medians (p50) of the best so far (pre_run)
+    and of the pass's candidate (post_run), timed in alternating rounds; ``speedup`` is
+    pre_run / post_run and ``interval`` its noise interval (``bench.Speedup``);
+    ``doubts`` what makes those figures implausible.
 
     ``accuracy`` is a ``Comparison.to_dict()`` and ``timing`` a ``Timing.to_dict()``; the
     objects themselves are accepted and stored as their dicts.
@@ -50,6 +53,8 @@ class PassRecord:
     accuracy: dict | None = None
     reason: str = ""
     timing: dict | None = None
+    interval: list[float] | None = None
+    doubts: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if self.status not in STATUSES:
@@ -80,6 +85,8 @@ class Report:
     optimized: dict | None = None  # the result
     accuracy: dict | None = None  # the result's outputs against the baseline's
     throughput: list[dict] = field(default_factory=list)  # one Timing per batch size
+    # The result against the baseline (a bench.Speedup; its timings are the two above).
+    speedup: dict | None = None
     model_info: dict = field(default_factory=dict)
     compatibility_list: list[dict] = field(default_factory=list)
     model_sdk: dict = field(default_factory=dict)
@@ -89,6 +96,13 @@ class Report:
         self.optimized = _as_dict(self.optimized)
         self.accuracy = _as_dict(self.accuracy)
         self.throughput = [_as_dict(timing) for timing in self.throughput]
+        self.speedup = _as_dict(self.speedup)
+        if self.speedup:
+            self.speedup = {
+                key: value
+                for key, value in self.speedup.items()
+                if key not in ("baseline", "candidate")
+            }
 
     @property
     def timing_method(self) -> str | None:
@@ -97,12 +111,23 @@ class Report:
 
     @property
     def overall(self) -> dict:
-        baseline = (self.baseline or {}).get("mean_ms")
-        optimized = (self.optimized or {}).get("mean_ms")
+        """PAI-Blade's overall: median latencies (p50) and the speedup, with its interval
+        and how it was computed."""
+        from bladesmith.bench import STATISTIC
+
+        baseline = (self.baseline or {}).get("p50_ms")
+        optimized = (self.optimized or {}).get("p50_ms")
+        measured = self.speedup or {}
+        speedup = measured.get("ratio")
+        if speedup is None and baseline and optimized:
+            speedup = baseline / optimized
         return {
             "baseline": baseline,
             "optimized": optimized,
-            "speedup": baseline / optimized if baseline and optimized else None,
+            "speedup": speedup,
+            "interval": [measured["low"], measured["high"]] if measured else None,
+            "statistic": STATISTIC,
+            "measurement": self.speedup,
             "unit": "ms",
             "baseline_timing": self.baseline,
             "optimized_timing": self.optimized,
@@ -138,6 +163,7 @@ class Report:
             baseline=overall.get("baseline_timing"),
             optimized=overall.get("optimized_timing"),
             accuracy=overall.get("accuracy"),
+            speedup=overall.get("measurement"),
             throughput=list(data.get("throughput") or []),
             model_info=dict(data.get("model_info") or {}),
             compatibility_list=list(data.get("compatibility_list") or []),
@@ -178,7 +204,7 @@ class Report:
                 Text(record.status, style=_STATUS_STYLE[record.status]),
                 _ms(record.pre_run),
                 _ms(record.post_run),
-                _times(record.speedup),
+                _times(record.speedup, record.interval),
                 Text((record.accuracy or {}).get("summary", "")),
                 Text(record.reason),
             )
@@ -186,24 +212,27 @@ class Report:
 
         console.print(
             f"[bold]Overall[/]: baseline {_latency(self.baseline)} -> optimized "
-            f"{_latency(self.optimized)}, speedup [bold]{_times(self.overall['speedup'])}[/]"
+            f"{_latency(self.optimized)}, speedup "
+            f"[bold]{_times(self.overall['speedup'], self.overall['interval'])}[/]"
         )
         if self.baseline:
+            rounds = len((self.speedup or {}).get("round_ratios") or ()) or 1
             console.print(
                 f"Timed with {self.timing_method}: {self.baseline['warmup']} warm-up and "
-                f"{self.baseline['iterations']} timed runs"
+                f"{self.baseline['iterations']} timed runs each, in {rounds} alternating "
+                f"round(s); {escape(self.overall['statistic'])}"
             )
         if self.accuracy:
             verdict = "[green]passed[/]" if self.accuracy.get("passed") else "[red]FAILED[/]"
             console.print(f"Accuracy {verdict}: {escape(self.accuracy.get('summary', ''))}")
         if self.throughput:
             rates = Table(title="Throughput", title_justify="left")
-            for column in ("Batch", "Mean ms", "p99 ms", "Items/s"):
+            for column in ("Batch", "p50 ms", "p99 ms", "Items/s"):
                 rates.add_column(column, justify="right")
             for timing in self.throughput:
                 rates.add_row(
                     str(timing["batch_size"]),
-                    _ms(timing["mean_ms"]),
+                    _ms(timing["p50_ms"]),
                     _ms(timing["p99_ms"]),
                     f"{timing['throughput']:.1f}",
                 )
@@ -212,7 +241,7 @@ class Report:
     def save_chart(self, path: str | os.PathLike) -> None:
         """A PNG bar chart of the latency after each pass, between baseline and result.
 
-        Bars are mean latencies coloured by the pass's status, whiskers span p50 to p99;
+        Bars are median latencies (p50) coloured by the pass's status, whiskers to p90;
         a pass with no latency (failed, skipped) has an empty slot labelled with its status.
         """
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -223,7 +252,7 @@ class Report:
         for record in self.optimizations:
             # A pass with a post_run but no full timing still gets its bar.
             timing = record.timing or (
-                {"mean_ms": record.post_run} if record.post_run is not None else {}
+                {"p50_ms": record.post_run} if record.post_run is not None else {}
             )
             rows.append((record.name, _STATUS_COLOR[record.status], timing, record.status))
         rows.append(("optimized", "#1565c0", self.optimized, "not measured"))
@@ -232,16 +261,15 @@ class Report:
         FigureCanvasAgg(figure)
         axes = figure.add_subplot()
         for position, (_, color, timing, missing) in enumerate(rows):
-            mean = (timing or {}).get("mean_ms")
-            if mean is None:
+            median = (timing or {}).get("p50_ms")
+            if median is None:
                 axes.annotate(missing, (position, 0), ha="center", va="bottom", fontsize=8)
                 continue
-            low = max(mean - timing.get("p50_ms", mean), 0.0)
-            high = max(timing.get("p99_ms", mean) - mean, 0.0)
-            axes.bar(position, mean, color=color, yerr=[[low], [high]], capsize=3)
+            high = max(timing.get("p90_ms", median) - median, 0.0)
+            axes.bar(position, median, color=color, yerr=[[0.0], [high]], capsize=3)
             axes.annotate(
-                f"{mean:.2f}",
-                (position, mean + high),
+                f"{median:.2f}",
+                (position, median + high),
                 xytext=(0, 2),
                 textcoords="offset points",
                 ha="center",
@@ -253,7 +281,7 @@ class Report:
         if statuses:
             handles = [Patch(color=_STATUS_COLOR[status], label=status) for status in statuses]
             axes.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-        axes.set_ylabel("latency, ms (mean; whiskers p50 to p99)")
+        axes.set_ylabel("latency, ms (p50; whiskers to p90)")
         name = self.model_info.get("name", "model")
         axes.set_title(f"{name} on {self.hardware_context.get('device', '?')}: latency per pass")
         write_atomically(path, lambda temporary: figure.savefig(temporary, format="png", dpi=120))
@@ -349,14 +377,16 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def _times(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
+def _times(value: float | None, interval=None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}x" + (f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else "")
 
 
 def _latency(timing: dict | None) -> str:
     if not timing:
         return "not measured"
     return (
-        f"{timing['mean_ms']:.2f} ms (p50 {timing['p50_ms']:.2f}, p90 {timing['p90_ms']:.2f}, "
-        f"p99 {timing['p99_ms']:.2f})"
+        f"{timing['p50_ms']:.2f} ms (p50; p90 {timing['p90_ms']:.2f}, "
+        f"p99 {timing['p99_ms']:.2f}, mean {timing['mean_ms']:.2f})"
     )

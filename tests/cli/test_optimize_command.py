@@ -63,12 +63,15 @@ def test_optimize_a_model_file_then_bench_the_artifacts(tmp_path, model_file, ca
     assert [row["artifact"] for row in rows] == [str(out), str(out)]
     assert rows[1]["agreement"].startswith("match")
     assert rows[0]["timing"]["iterations"] == 2
+    # The second timed against the first in alternating rounds: a speedup with its interval.
+    low, high = rows[1]["interval"]
+    assert low <= high and rows[1]["speedup"].endswith(f"[{low:.2f}-{high:.2f}]")
     assert "Artifacts" in capsys.readouterr().out
 
 
 def test_optimize_reports_a_missing_model_file(tmp_path, capsys):
-    assert main(["optimize", str(tmp_path / "missing.pt"), "--device", "cpu"]) == 1
-    assert "neither a built-in model" in capsys.readouterr().err
+    assert main(["optimize", str(tmp_path / "missing.pt"), "--device", "cpu"]) == 2
+    assert "no such file; expected a built-in model" in capsys.readouterr().err
 
 
 def test_builtin_detector_gets_a_list_of_photographs():

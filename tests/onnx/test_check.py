@@ -157,7 +157,7 @@ def test_errors_come_first_within_a_target():
 def test_bad_arguments_are_clear_errors(tmp_path):
     with pytest.raises(UnknownTargetError, match="tensorrt, tensorrt8, directml"):
         check(models.relu(), "tensorrt9")
-    with pytest.raises(BladesmithError, match="no ONNX model"):
+    with pytest.raises(BladesmithError, match="missing.onnx.: no such file"):
         check(tmp_path / "missing.onnx", "tensorrt")
     (tmp_path / "bad.onnx").write_bytes(b"not a model")
     with pytest.raises(BladesmithError, match="not a readable ONNX model"):

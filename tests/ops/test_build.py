@@ -86,8 +86,10 @@ def test_missing_compiler_is_a_clear_error(tmp_path):
         BLADESMITH_CACHE=str(tmp_path),
         CXX=str(tmp_path / "no-such-c++"),
     )
-    assert result.returncode == 1
-    assert result.stderr.startswith("error: cannot build the operator library: no C++ compiler")
+    assert result.returncode == 2
+    assert result.stderr.startswith(
+        "bladesmith ops: error: cannot build the operator library: no C++ compiler"
+    )
     assert "no-such-c++" in result.stderr and "Traceback" not in result.stderr
 
 

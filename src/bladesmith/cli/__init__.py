@@ -22,17 +22,32 @@ _COMMAND_MODULES = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line on stderr (exit code 2), naming the
+    flag and where to read more, rather than the usage block and the error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from bladesmith import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="bladesmith",
         description=(
             "Turn a PyTorch model into a faster, verified, deployable artifact, "
             "and say where it will run."
         ),
+        epilog=(
+            "Exit status 2: bad input (a file, a flag), said in one line on stderr; "
+            "--debug adds the traceback."
+        ),
     )
     parser.add_argument("--version", action="version", version=f"bladesmith {__version__}")
+    parser.add_argument(
+        "--debug", action="store_true", help="print the traceback of an error as well"
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in _COMMAND_MODULES:
         importlib.import_module(module_name).add_parser(subparsers)
@@ -52,6 +67,11 @@ def _load_libraries(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A BladesmithError (bad input the user can fix: a file, a flag) is
+    one line on stderr and exit code 2; any other error one line and exit code 1 (a bug
+    to report); ``--debug`` prints the traceback before that line."""
+    import traceback
+
     from bladesmith.errors import BladesmithError
 
     parser = build_parser()
@@ -62,9 +82,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _load_libraries(args)
         return int(args.func(args) or 0)
-    except BladesmithError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("bladesmith: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:
+        if args.debug:
+            traceback.print_exc()
+        if isinstance(error, BladesmithError):
+            print(f"bladesmith {args.command}: error: {_one_line(error)}", file=sys.stderr)
+            return 2
+        print(
+            f"bladesmith {args.command}: unexpected error: {type(error).__name__}: "
+            f"{_one_line(error)} (--debug shows where; please report it)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__

@@ -1,4 +1,5 @@
-"""argparse types shared by the commands."""
+"""argparse types shared by the commands: a bad value is one line naming the flag, before
+any work starts."""
 
 from __future__ import annotations
 
@@ -55,3 +56,53 @@ def add_library_options(parser: argparse.ArgumentParser) -> None:
             "repeatable"
         ),
     )
+
+
+def readable_file(text: str) -> str:
+    """argparse type for a file to read: it exists, is a file, is readable, is not empty."""
+    from bladesmith._files import unreadable
+
+    problem = unreadable(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text}: {problem}")
+    return text
+
+
+def output_file(*suffixes: str):
+    """argparse type for a file to write: its folder exists and is writable, it is not a
+    folder, and it ends with one of ``suffixes`` (any, when none are given). Checked
+    before any work starts, so that nothing is lost to a bad path at the end."""
+
+    def parse(text: str) -> str:
+        from pathlib import Path
+
+        from bladesmith._files import unwritable
+
+        if suffixes and Path(text).suffix not in suffixes:
+            raise argparse.ArgumentTypeError(f"{text}: expected a {' or '.join(suffixes)} file")
+        problem = unwritable(text)
+        if problem:
+            raise argparse.ArgumentTypeError(f"cannot write {text}: {problem}")
+        return text
+
+    return parse
+
+
+def existing_folder(text: str) -> str:
+    """argparse type for a folder that exists."""
+    from pathlib import Path
+
+    if not Path(text).is_dir():
+        what = "a file, not a folder" if Path(text).exists() else "no such folder"
+        raise argparse.ArgumentTypeError(f"{text}: {what}")
+    return text
+
+
+def pass_name(text: str) -> str:
+    """argparse type for the name of a registered pass."""
+    from bladesmith.passes import registry
+
+    names = registry.names()
+    if text not in names:
+        raise argparse.ArgumentTypeError(f"no pass named {text!r}; passes are {', '.join(names)}")
+    return text

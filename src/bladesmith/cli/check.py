@@ -15,6 +15,8 @@ import argparse
 import json
 import sys
 
+from bladesmith.cli.args import output_file, readable_file
+
 TARGET_HELP = (
     "tensorrt, tensorrt8, directml, ort-cpu, ort-cuda or all; several separated by "
     "spaces or commas, or the flag repeated"
@@ -32,7 +34,7 @@ def add_parser(subparsers) -> None:
         "each target: rule id, severity, node and a fix hint. Exit 0 clean, 1 errors, "
         "2 not a model.",
     )
-    check.add_argument("model", help="the .onnx file")
+    check.add_argument("model", type=readable_file, help="the .onnx file")
     _add_common(check)
     check.set_defaults(func=_run_check)
 
@@ -44,8 +46,8 @@ def add_parser(subparsers) -> None:
         "outputs in ONNX Runtime, and report what is left. Exit 0 fixed and verified, "
         "1 errors remain or outputs changed, 2 bad input, 3 fixed but not verified.",
     )
-    fix.add_argument("model", help="the .onnx file to fix (left unchanged)")
-    fix.add_argument("output", help="where to write the fixed model")
+    fix.add_argument("model", type=readable_file, help="the .onnx file to fix (left unchanged)")
+    fix.add_argument("output", type=output_file(".onnx"), help="where to write the fixed model")
     _add_common(fix)
     fix.add_argument(
         "--input-shape",

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from bladesmith.cli.args import existing_folder
+
 _SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
 
@@ -29,10 +31,11 @@ def add_parser(subparsers) -> None:
         "--site-dir",
         action="append",
         default=[],
+        type=existing_folder,
         metavar="DIR",
         help=(
             "also scan DIR for binary .pth files, e.g. the site-packages of an environment "
-            "that no longer starts (repeatable)"
+            "that no longer starts, or that environment's root (repeatable)"
         ),
     )
     parser.set_defaults(func=run)

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import argparse
 
-from bladesmith.cli.args import add_library_options, at_least, input_size
+from bladesmith.cli.args import (
+    add_library_options,
+    at_least,
+    input_size,
+    output_file,
+    readable_file,
+)
 from bladesmith.cli.models import DEFAULT_MODEL, MODEL_HELP
 
 
@@ -30,8 +36,10 @@ def add_parser(subparsers) -> None:
         ),
     )
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    parser.add_argument("output", metavar="OUT", help="the .onnx file to write")
-    parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    parser.add_argument(
+        "output", type=output_file(".onnx"), metavar="OUT", help="the .onnx file to write"
+    )
+    parser.add_argument("--opset", type=at_least(7), default=17, help="ONNX opset (default 17)")
     parser.add_argument(
         "--custom-ops",
         choices=("domain", "standard"),
@@ -50,7 +58,9 @@ def add_parser(subparsers) -> None:
         help="image height and width (default 480x640)",
     )
     parser.add_argument("--batch", type=at_least(1), default=1, help="batch size (default 1)")
-    parser.add_argument("--weights", help="built-in model only: a local state-dict file")
+    parser.add_argument(
+        "--weights", type=readable_file, help="built-in model only: a local state-dict file"
+    )
     parser.add_argument(
         "--num-classes", type=at_least(1), default=91, help="built-in model only (default 91)"
     )

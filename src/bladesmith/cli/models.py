@@ -37,8 +37,7 @@ MODEL_HELP = f"{' or '.join([*BUILTIN_MODELS, *DETECTORS])}, or a .pt/.pt2 file"
 def model_or_file(name: str, input_size: tuple[int, int], weights=None, num_classes: int = 91):
     """The built-in model ``name``, built for ``input_size``, or the path ``name`` of a
     model file, checked to exist."""
-    from pathlib import Path
-
+    from bladesmith._files import unreadable
     from bladesmith.errors import BladesmithError
 
     if name in BUILTIN_MODELS:
@@ -51,10 +50,11 @@ def model_or_file(name: str, input_size: tuple[int, int], weights=None, num_clas
         return build_detector(name, input_size, weights, num_classes)
     if weights:
         raise BladesmithError("--weights applies to the built-in models, not to model files")
-    if not Path(name).is_file():
-        known = ", ".join([*BUILTIN_MODELS, *DETECTORS])
+    problem = unreadable(name)
+    if problem:
+        builtin = ", ".join([*BUILTIN_MODELS, *DETECTORS])
         raise BladesmithError(
-            f"model {name!r}: neither a built-in model ({known}) nor an existing .pt/.pt2 file"
+            f"model {name!r}: {problem}; expected a built-in model ({builtin}) or a .pt/.pt2 file"
         )
     return name
 

@@ -12,10 +12,18 @@ from __future__ import annotations
 
 import argparse
 
-from bladesmith.cli.args import add_library_options, at_least, input_size
+from bladesmith.cli.args import (
+    add_library_options,
+    at_least,
+    input_size,
+    output_file,
+    pass_name,
+    readable_file,
+)
 from bladesmith.cli.models import DEFAULT_MODEL, MODEL_HELP, model_or_file
 
 DEFAULT_INPUT_SIZE = (480, 640)
+SAVE_SUFFIXES = (".pt2", ".pt", ".onnx")  # spec.SAVE_FORMATS, without importing torch
 # A 2-core CPU takes seconds per call of the full detector: the demo times few runs there.
 DEMO_CPU_TIMING = (1, 3)
 
@@ -37,12 +45,17 @@ def add_parser(subparsers) -> None:
         help=f"{MODEL_HELP} (default: {DEFAULT_MODEL})",
     )
     optimize.add_argument(
-        "--weights", metavar="FILE", help="state dict for the built-in model (local file)"
+        "--weights",
+        type=readable_file,
+        metavar="FILE",
+        help="state dict for the built-in model (local file; a training checkpoint that "
+        "holds one under 'model', 'state_dict', ... is unwrapped)",
     )
     _add_run_options(optimize)
     add_library_options(optimize)
     optimize.add_argument(
         "--out",
+        type=output_file(*SAVE_SUFFIXES),
         metavar="PATH",
         help="save the optimized model: .pt2 (AOTInductor) or .pt (TorchScript)",
     )
@@ -59,7 +72,12 @@ def add_parser(subparsers) -> None:
         ),
     )
     _add_run_options(demo)
-    demo.add_argument("--out", metavar="PATH", help="save the optimized model (.pt2 or .pt)")
+    demo.add_argument(
+        "--out",
+        type=output_file(*SAVE_SUFFIXES),
+        metavar="PATH",
+        help="save the optimized model (.pt2 or .pt)",
+    )
     demo.set_defaults(func=run_demo, model=DEFAULT_MODEL, weights=None)
 
     bench = subparsers.add_parser(
@@ -71,10 +89,14 @@ def add_parser(subparsers) -> None:
             "throughput, speedup over the first, and agreement of outputs with the first's."
         ),
     )
-    bench.add_argument("artifacts", nargs="+", metavar="ARTIFACT", help=".pt2 or .pt files")
+    bench.add_argument(
+        "artifacts", nargs="+", type=readable_file, metavar="ARTIFACT", help=".pt2 or .pt files"
+    )
     bench.add_argument("--warmup", type=at_least(0), help="warm-up runs (default: device's)")
     bench.add_argument("--iters", type=at_least(1), help="timed runs (default: device's)")
-    bench.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    bench.add_argument(
+        "--json", type=output_file(), metavar="PATH", help="also write the table as JSON"
+    )
     add_library_options(bench)
     bench.set_defaults(func=run_bench)
 
@@ -100,17 +122,30 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=at_least(0), help="warm-up runs per candidate")
     parser.add_argument("--iters", type=at_least(1), help="timed runs per candidate")
     parser.add_argument(
-        "--exclude", action="append", default=[], metavar="PASS", help="skip a pass (repeatable)"
+        "--exclude",
+        action="append",
+        default=[],
+        type=pass_name,
+        metavar="PASS",
+        help="skip a pass (repeatable)",
     )
     parser.add_argument(
         "--include",
         action="append",
         default=[],
+        type=pass_name,
         metavar="PASS",
         help="try a pass the level leaves out (repeatable)",
     )
-    parser.add_argument("--report", metavar="PATH", help="write the report as JSON")
-    parser.add_argument("--chart", metavar="PATH", help="write a PNG chart of latency per pass")
+    parser.add_argument(
+        "--report", type=output_file(), metavar="PATH", help="write the report as JSON"
+    )
+    parser.add_argument(
+        "--chart",
+        type=output_file(".png"),
+        metavar="PATH",
+        help="write a PNG chart of latency per pass",
+    )
 
 
 def run_optimize(args: argparse.Namespace) -> int:
@@ -118,6 +153,7 @@ def run_optimize(args: argparse.Namespace) -> int:
 
     import bladesmith
     from bladesmith.devices import resolve_device
+    from bladesmith.errors import BladesmithError, ModelRunError
     from bladesmith.report import output_console
 
     device = resolve_device(args.device)
@@ -129,9 +165,18 @@ def run_optimize(args: argparse.Namespace) -> int:
         exclude=tuple(args.exclude),
         progress=True,
     )
-    optimized, spec, report = bladesmith.optimize(
-        model, level=args.level, device=device, test_data=test_data, config=config
-    )
+    try:
+        optimized, spec, report = bladesmith.optimize(
+            model, level=args.level, device=device, test_data=test_data, config=config
+        )
+    except ModelRunError as error:
+        if not isinstance(model, str):  # a built-in model takes any size: not the user's
+            raise
+        height, width = args.input_size
+        raise BladesmithError(
+            f"{model}: {error}; give --input-size (now {height}x{width}) and --batch (now "
+            f"{args.batch}) that the model takes"
+        ) from error
     console = output_console()
     report.render(console)
     if args.report:
@@ -188,17 +233,18 @@ def run_bench(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from bladesmith._files import write_atomically
+    from bladesmith.bench import STATISTIC
     from bladesmith.report import output_console
 
-    measured = [_bench_one(path, args.warmup, args.iters) for path in args.artifacts]
-    rows = [row for row, _ in measured]
-    reference = measured[0]
-    for row, outputs in measured[1:]:
-        row["agreement"] = _agreement(reference, (row, outputs))
+    loaded = [_load_for_bench(path) for path in args.artifacts]
+    rows = _time_side_by_side(loaded, args.warmup, args.iters)
+    reference = loaded[0]
+    for row, (_, outputs, _) in zip(rows[1:], loaded[1:], strict=True):
+        row["agreement"] = _agreement((reference[0], reference[1]), (row, outputs))
     table = Table(title="Artifacts", title_justify="left")
     for column in ("Artifact", "Device", "Dtype", "Passes", "Input"):
         table.add_column(column)
-    for column in ("Mean ms", "p50 ms", "p99 ms", "Items/s", "Speedup"):
+    for column in ("p50 ms", "p90 ms", "p99 ms", "Items/s", "Speedup"):
         table.add_column(column, justify="right")
     table.add_column("Outputs against the first's", overflow="fold")
     for row in rows:
@@ -209,27 +255,58 @@ def run_bench(args: argparse.Namespace) -> int:
             row["dtype"],
             ", ".join(row["passes"]) or "-",
             "x".join(map(str, row["input_shape"])),
-            f"{timing['mean_ms']:.2f}",
             f"{timing['p50_ms']:.2f}",
+            f"{timing['p90_ms']:.2f}",
             f"{timing['p99_ms']:.2f}",
-            f"{timing['throughput']:.1f}",
-            f"{rows[0]['timing']['p50_ms'] / timing['p50_ms']:.2f}x",
+            f"{row['input_shape'][0] * 1000 / timing['p50_ms']:.1f}",
+            row["speedup"],
             row.get("agreement", "(reference)"),
         )
-    output_console().print(table)
+    console = output_console()
+    console.print(table)
+    console.print(f"Each against the first in alternating rounds: {STATISTIC}.")
     if args.json:
         text = json.dumps(rows, indent=2) + "\n"
         write_atomically(args.json, lambda path: path.write_text(text))
     return 0
 
 
-def _bench_one(path: str, warmup: int | None, iters: int | None) -> tuple[dict, object]:
-    """Time one artifact on photographs of its input shape: (table row, its outputs)."""
+def _time_side_by_side(loaded: list, warmup: int | None, iters: int | None) -> list[dict]:
+    """Each artifact's row with its timing and its speedup over the first, timed against
+    the first in alternating rounds (apart, when it runs on another device)."""
+    from bladesmith import bench
+    from bladesmith.config import Config
+
+    (first_row, _, first_call), rows = loaded[0], [row for row, _, _ in loaded]
+    device = first_row["device"]
+    warmup, iters = Config(warmup=warmup, iters=iters).timing_counts(device.split(":")[0])
+    counts = dict(warmup=warmup, iters=iters)
+    if len(loaded) == 1:
+        first_row["timing"] = bench.measure(first_call, device=device, **counts).to_dict()
+    for row, _, call in loaded[1:]:
+        if row["device"] == device:
+            speedup = bench.compare(first_call, call, device=device, **counts)
+            first_row.setdefault("timing", speedup.baseline.to_dict())
+            row["speedup"] = speedup.describe()
+            row["interval"] = [speedup.low, speedup.high]
+            row["timing"] = speedup.candidate.to_dict()
+        else:
+            first_row.setdefault(
+                "timing", bench.measure(first_call, device=device, **counts).to_dict()
+            )
+            row["timing"] = bench.measure(call, device=row["device"], **counts).to_dict()
+            ratio = first_row["timing"]["p50_ms"] / row["timing"]["p50_ms"]
+            row["speedup"] = f"{ratio:.2f}x (timed apart)"
+    first_row["speedup"] = "1.00x"
+    return rows
+
+
+def _load_for_bench(path: str) -> tuple[dict, object, object]:
+    """One artifact, run once on photographs of its input shape: (its table row, its
+    outputs, a call that runs it again on them)."""
     import torch
 
     import bladesmith
-    from bladesmith.bench import measure
-    from bladesmith.config import Config
     from bladesmith.errors import BladesmithError
     from bladesmith.families import family_named
     from bladesmith.models.images import sample_images
@@ -246,19 +323,19 @@ def _bench_one(path: str, warmup: int | None, iters: int | None) -> tuple[dict, 
     images = sample_images(shape[0], tuple(shape[2:]), device=artifact.device)
     family = family_named(spec.family) if spec.family and spec.output != OUTPUT_PADDED else None
     inputs = family.user_args(images) if family is not None else (images,)
-    warmup, iters = Config(warmup=warmup, iters=iters).timing_counts(artifact.device.type)
-    with torch.no_grad():
-        outputs = artifact(*inputs)
-        timing = measure(artifact, inputs, warmup=warmup, iters=iters, batch_size=shape[0])
+
+    @torch.no_grad()
+    def call():
+        return artifact(*inputs)
+
     row = {
         "artifact": path,
         "device": spec.device,
         "dtype": spec.dtype,
         "passes": list(spec.passes),
         "input_shape": list(shape),
-        "timing": timing.to_dict(),
     }
-    return row, outputs
+    return row, call(), call
 
 
 def _agreement(reference: tuple[dict, object], other: tuple[dict, object]) -> str:

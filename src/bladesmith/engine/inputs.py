@@ -11,9 +11,9 @@ import os
 import torch
 from torch import nn
 
-from bladesmith.errors import describe
+from bladesmith._files import contents, first_line, unreadable
 from bladesmith.runtimes.torchscript import quiet_torchscript
-from bladesmith.spec import AOTI_SUFFIX
+from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX
 
 
 def working_copy(model, device: torch.device) -> tuple[nn.Module, dict]:
@@ -52,12 +52,20 @@ def working_copy(model, device: torch.device) -> tuple[nn.Module, dict]:
 
 
 def load_model_file(path) -> nn.Module:
-    """The module in a TorchScript (.pt) or torch.export (.pt2) file, on the CPU."""
-    from bladesmith.errors import BladesmithError
+    """The module in a TorchScript (.pt) or torch.export (.pt2) file, on the CPU. Any
+    file that is not one raises a BladesmithError saying what the file is instead."""
+    from bladesmith.errors import BladesmithError, MissingFileError
 
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"model: no file {path!r}")
+    problem = unreadable(path)
+    if problem:
+        error = MissingFileError if not os.path.exists(path) else BladesmithError
+        raise error(f"model {path!r}: {problem}")
+    if path.endswith(ONNX_SUFFIX):
+        raise BladesmithError(
+            f"model {path!r}: an ONNX model; optimize takes a TorchScript (.pt) or "
+            "torch.export (.pt2) file (ONNX models go to bladesmith check and fix)"
+        )
     with contextlib.suppress(ImportError, BladesmithError):  # models may use our ops
         from bladesmith import ops
 
@@ -67,20 +75,23 @@ def load_model_file(path) -> nn.Module:
             return torch.export.load(path).module()
         except Exception as error:
             raise BladesmithError(
-                f"model: {path!r} is not a torch.export program ({describe(error)}); "
-                "an AOTInductor package is already compiled: load it with bladesmith.load"
+                f"model {path!r}: not a torch.export program but {contents(path)} "
+                f"({first_line(error)}); an AOTInductor package is already compiled: load "
+                "it with bladesmith.load"
             ) from error
     try:
         with quiet_torchscript():
             return torch.jit.load(path, map_location="cpu")
-    except RuntimeError as error:
+    except Exception as error:  # torch raises RuntimeError, ValueError, pickle errors...
         from bladesmith.ops import libraries
 
         missing = libraries.missing_operator_error(error, f"model {path}")
         if missing is not None:
             raise missing from None
         raise BladesmithError(
-            f"model: {path!r} is not a loadable TorchScript file ({describe(error)})"
+            f"model {path!r}: not a TorchScript model but {contents(path)} "
+            f"({first_line(error)}); save one with torch.jit.save(torch.jit.script(model), "
+            "path), or pass the nn.Module from Python"
         ) from error
 
 

@@ -1,21 +1,34 @@
-"""The spinner that says which step of ``optimize`` is running."""
+"""Where ``optimize`` is: a spinner on a terminal, plain lines elsewhere."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
 
+from bladesmith.bench import Speedup
 from bladesmith.report import PassRecord
 
 
 class Progress:
-    """A spinner on stderr naming the step in progress; nested steps show the inner one."""
+    """Where ``optimize`` is: a spinner naming the step on a terminal (nested steps show
+    the inner one); elsewhere (a pipe, a log file, a notebook's captured stderr) plain
+    lines, one per pass with its verdict and one for the result; nothing when off."""
 
-    def __init__(self, enabled: bool):
-        from rich.console import Console
+    PREFIX = "bladesmith: "
 
-        self.console = Console(stderr=True) if enabled else None
+    def __init__(self, enabled: bool | None):
+        self.console = None
+        self.lines = False
         self._status = None
         self._text = ""
+        if enabled is False:
+            return
+        if sys.stderr.isatty():
+            from rich.console import Console
+
+            self.console = Console(stderr=True)
+        else:
+            self.lines = True
 
     @contextlib.contextmanager
     def step(self, text: str):
@@ -48,7 +61,9 @@ class Progress:
         return update
 
     def log(self, record: PassRecord) -> None:
-        if self.console is not None:
+        if self.lines:
+            self._line(f"{record.status} {record.name}: {record.reason}")
+        elif self.console is not None:
             from rich.markup import escape
 
             style = {"kept": "green", "rejected": "yellow", "failed": "red"}.get(
@@ -58,6 +73,16 @@ class Progress:
                 f"[{style}]{record.status:>8}[/] {escape(record.name)}: {escape(record.reason)}",
                 highlight=False,
             )
+
+    def done(self, overall: Speedup) -> None:
+        if self.lines:
+            self._line(
+                f"result: {overall.baseline.p50_ms:.2f} ms -> {overall.candidate.p50_ms:.2f} ms "
+                f"(p50), {overall.describe()}"
+            )
+
+    def _line(self, text: str) -> None:
+        print(self.PREFIX + text, file=sys.stderr, flush=True)
 
     def _show(self, text: str) -> None:
         self._text = text

@@ -91,6 +91,8 @@ class Reference:
                 iou_threshold=config.iou_threshold,
                 min_f1=config.min_f1,
                 score_atol=max(rtol + atol, detection_score_tolerance(dtype)),
+                inputs=self.context.test_args,
+                allow_degenerate=config.allow_degenerate,
             )
 
         comparison = compare(())

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
-from bladesmith.bench import Timing
+from bladesmith import bench
+from bladesmith.bench import Speedup
 from bladesmith.onnx import user_ops
 from bladesmith.ops import libraries
 from bladesmith.passes.candidate import Candidate
@@ -73,17 +74,28 @@ def _save_formats(best: Candidate, context: Context, saves_as: str | None) -> tu
     return tuple(formats)
 
 
-def diagnosis(info: dict, context: Context, spec: Spec, baseline: Timing, best: Timing) -> dict:
-    speedup = baseline.p50_ms / best.p50_ms
-    kept = ", ".join(spec.passes) or "no pass"
+def diagnosis(
+    info: dict, context: Context, spec: Spec, overall: Speedup, doubts: list[str]
+) -> dict:
+    kept = ", ".join(spec.passes) or "no pass (the result is the model as given)"
     lines = [
         f"{info['name']} ({info['format']}, {info['parameters'] / 1e6:.1f}M parameters) on "
         f"{context.device}, level {context.level}.",
         *context.notes,
-        f"Kept {kept}: {baseline.p50_ms:.2f} ms -> {best.p50_ms:.2f} ms ({speedup:.2f}x); "
-        f"runs as {spec.backend} in {spec.dtype}.",
+        f"Kept {kept}: {overall.baseline.p50_ms:.2f} ms -> {overall.candidate.p50_ms:.2f} ms "
+        f"(p50), {overall.describe()}; runs as {spec.backend} in {spec.dtype}.",
+        f"Timing: {bench.STATISTIC}.",
     ]
-    return {"message": "\n".join(lines), "notes": list(context.notes), "speedup": speedup}
+    if doubts:
+        lines.append("Figures in doubt (not to be taken as fact): " + "; ".join(doubts) + ".")
+    return {
+        "message": "\n".join(lines),
+        "notes": list(context.notes),
+        "speedup": overall.ratio,
+        "interval": [overall.low, overall.high],
+        "statistic": bench.STATISTIC,
+        "doubts": doubts,
+    }
 
 
 def compatibility(device: torch.device, spec: Spec) -> dict:

@@ -17,17 +17,17 @@ detections that rounding alone flips are not held against a pass.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
 
+from bladesmith import bench
+from bladesmith._files import first_line
 from bladesmith.artifact import OptimizedModule
-from bladesmith.bench import Timing, measure
+from bladesmith.bench import Speedup
 from bladesmith.config import Config, check_level
 from bladesmith.devices import resolve_device, with_index
 from bladesmith.engine.inputs import argument_tuples, items_per_call, to_device, working_copy
@@ -43,6 +43,7 @@ from bladesmith.passes.registry import Context, Pass, PassSkipped
 from bladesmith.report import PassRecord, Report, hardware_context, software_context
 from bladesmith.runtimes.torchscript import is_torchscript
 from bladesmith.spec import Spec
+from bladesmith.verify import degenerate_reasons
 
 
 def optimize(
@@ -76,7 +77,7 @@ def optimize(
     device = with_index(resolve_device(device))
     passes = list(passes) if passes is not None else registry.create_all()
     _check_pass_names(config, passes)
-    progress = Progress(config.progress if config.progress is not None else sys.stderr.isatty())
+    progress = Progress(config.progress)
 
     entries = argument_tuples(test_data)
     working, model_info = working_copy(model, device)
@@ -95,58 +96,94 @@ def optimize(
     batch_size = items_per_call(test_args[0])
 
     finishers = [each for each in passes if each.finisher]
+    timing = dict(warmup=warmup, iters=iters, rounds=config.timing_rounds(iters), device=device)
 
     def finish(candidate: Candidate) -> _Finished:
         return _finished(candidate, finishers, context)
 
-    def time_candidate(run: _Finished, label: str) -> _Timed:
-        """The timing of ``run``: a candidate as it will run, wrapped by its finishers."""
+    def time_against(before: _Finished, run: _Finished, label: str) -> Speedup:
+        """``run`` (a candidate as it will run, wrapped by its finishers) against
+        ``before``, timed in alternating rounds."""
         label += run.where
         with progress.step(f"timing {label}"):
-            timing = measure(
-                OptimizedModule.from_candidate(run.candidate),
+            return bench.compare(
+                _callable(before.candidate),
+                _callable(run.candidate),
                 test_args[0],
-                warmup=warmup,
-                iters=iters,
-                device=device,
                 batch_size=batch_size,
                 progress=progress.timing_callback(f"timing {label}"),
+                **timing,
             )
-        return _Timed(timing, run.finished_by)
 
-    best = Candidate(module=working, device=device)
+    given = Candidate(module=working, device=device)
+    best, best_run = given, finish(given)
     with progress.step("running the model as given"):
         with libraries.recording() as dispatched:
-            reference = Reference(_outputs(best, context), working, context, family_of(working))
+            reference = Reference(
+                _reference_outputs(best, context), working, context, family_of(working)
+            )
     context.user_operators = frozenset(filter(libraries.is_user_operator, dispatched))
-    baseline = time_candidate(finish(best), "the model as given")
-    best_timed = baseline
-    records: list[PassRecord] = []
-    # (candidate, timing, index of its record) of the baseline (-1, always first) and of
-    # kept passes that nothing kept later beats: those the result may fall back to.
-    checkpoints: list[tuple[Candidate, _Timed, int]] = [(best, best_timed, -1)]
-    for each in passes:
-        before = best_timed
-        if each.name in best_timed.finished_by:  # the best was timed in it: compare without
-            before = time_candidate(_Finished(best, ()), f"the best without {each.name}")
-        record, candidate, timed = _try(
-            each, best, before, context, reference, finish, time_candidate
+    nothing = degenerate_reasons(reference.outputs, test_args)
+    if nothing:
+        consent = (
+            "passes are kept on it as Config(allow_degenerate=True) asks"
+            if config.allow_degenerate
+            else "no pass is kept on it (Config(allow_degenerate=True) to keep them anyway)"
         )
+        context.notes.append(
+            f"Verification has nothing to compare: {'; '.join(nothing)}; {consent}. Give "
+            "test inputs on which the model gives finite, non-zero outputs (detections)."
+        )
+    records: list[PassRecord] = []
+    # (candidate, its gain over the model as given, index of its record) of the model as
+    # given (-1, always first) and of kept passes that nothing kept later beats: those
+    # the result may fall back to. Gains multiply the speedups measured along the way.
+    checkpoints: list[tuple[Candidate, float, int]] = [(best, 1.0, -1)]
+    for each in passes:
+        before = best_run
+        if each.name in best_run.finished_by:  # the best was timed in it: compare without
+            before = _Finished(best, ())
+        record, candidate, run = _try(each, best, before, context, reference, finish, time_against)
         records.append(record)
         progress.log(record)
         if record.status == "kept":
-            best, best_timed = candidate, timed
             if each.finisher:  # the candidates before it were timed as this one runs
                 checkpoints = checkpoints[:1]
-            faster = [c for c in checkpoints[1:] if c[1].timing.p50_ms < timed.timing.p50_ms]
-            checkpoints = [checkpoints[0], *faster, (candidate, timed, len(records) - 1)]
+            gain = checkpoints[-1][1] * record.speedup
+            faster = [c for c in checkpoints[1:] if c[1] > gain]
+            checkpoints = [checkpoints[0], *faster, (candidate, gain, len(records) - 1)]
+            best, best_run = candidate, run
             context.kept.append(each.name)
-        elif before is not best_timed:  # it will not wrap the best: that runs without it
-            best_timed = before
-            checkpoints = [checkpoints[0], (best, best_timed, checkpoints[-1][2])]
-    best, best_timed = _fastest(checkpoints, records)
-    best_timing, baseline_timing = best_timed.timing, baseline.timing
+        elif before is not best_run:  # it will not wrap the best: that runs without it
+            best_run = before
+    best = _fastest(checkpoints, records)
+    if best is not given:
+        with progress.step("timing the result against the model as given"):
+            overall = bench.compare(
+                _callable(given), _callable(best), test_args[0], batch_size=batch_size, **timing
+            )
+        if overall.ratio < 1.0:  # never slower than the model as given
+            _drop_kept(
+                records,
+                f"dropped at the end: the result ran at {overall.describe()} of the model "
+                "as given, which is returned instead",
+            )
+            best = given
+    if best is given:  # the model's own call path, timed alone: 1.00x by construction
+        with progress.step("timing the model as given"):
+            alone = bench.measure(
+                _callable(given),
+                test_args[0],
+                batch_size=batch_size,
+                warmup=warmup,
+                iters=iters,
+                device=device,
+            )
+        overall = bench.same(alone)
     _mark_superseded(records, best)
+    doubts = [f"{r.name}: {d}" for r in records for d in r.doubts] + [
+        f"the result against the model as given: {d}" for d in overall.doubts
+    ]
 
     with progress.step("verifying the result"):
         final_accuracy = reference.compare(_outputs(best, context), best.dtype, config)
@@ -155,6 +192,7 @@ def optimize(
     optimized = OptimizedModule.from_candidate(
         best, spec=spec, output=config.output, example_args=best.runner_args(test_args[0])
     )
+    progress.done(overall)
     if config.output == "padded" and best.family is None:
         context.notes.append(
             "output='padded' applies to models a family adapts to a fixed-shape pipeline "
@@ -164,22 +202,17 @@ def optimize(
         software_context=software_context(),
         hardware_context=hardware_context(device),
         user_config={"level": level, "device": str(device), **config.to_dict()},
-        diagnosis=diagnosis(model_info, context, spec, baseline_timing, best_timing),
+        diagnosis=diagnosis(model_info, context, spec, overall, doubts),
         optimizations=records,
-        baseline=baseline_timing,
-        optimized=best_timing,
+        baseline=overall.baseline,
+        optimized=overall.candidate,
+        speedup=overall,
         accuracy=final_accuracy,
         model_info={**model_info, "input_shapes": [list(s) for s in spec.input_shapes]},
         compatibility_list=[compatibility(device, spec)],
         model_sdk={"load": "bladesmith.load(path)", "save": spec.save_hint},
     )
     return optimized, spec, report
-
-
-@dataclass(frozen=True)
-class _Timed:
-    timing: Timing
-    finished_by: tuple[str, ...] = ()  # the finisher passes it was timed in
 
 
 class _Finished(NamedTuple):
@@ -215,16 +248,17 @@ def _finished(candidate: Candidate, finishers: list[Pass], context: Context) -> 
 def _try(
     each: Pass,
     best: Candidate,
-    best_timed: _Timed,
+    before: _Finished,
     context: Context,
     reference: Reference,
     finish: Callable[[Candidate], _Finished],
-    time_candidate: Callable[[_Finished, str], _Timed],
-) -> tuple[PassRecord, Candidate | None, _Timed | None]:
-    """Apply, verify and time one pass against the best candidate so far, timed as
-    ``best_timed`` (without the pass, when the pass is a finisher it was timed in).
-    The candidate is verified as it is timed and will run, wrapped by its finishers (a
-    CUDA graph's capture may pick other convolution algorithms than eager calls)."""
+    time_against: Callable[[_Finished, _Finished, str], Speedup],
+) -> tuple[PassRecord, Candidate | None, _Finished | None]:
+    """Apply, verify and time one pass against the best candidate so far, as it runs
+    (``before``: without the pass, when the pass is a finisher it was timed in). The
+    candidate is verified as it is timed and will run, wrapped by its finishers (a CUDA
+    graph's capture may pick other convolution algorithms than eager calls). Returns its
+    record and, when kept, the candidate and what it was timed as."""
     name, config = each.name, context.config
 
     def record(status, reason, **fields):
@@ -252,29 +286,49 @@ def _try(
     except Exception as error:  # a failing pass is reported, never fatal
         return record("failed", describe(error)), None, None
     waived = each.changes_precision and config.disable_fp16_accuracy_check
-    pre_run = best_timed.timing.p50_ms
+    if accuracy.degenerate and not config.allow_degenerate:
+        reason = (
+            f"not kept on a comparison with nothing to compare ({'; '.join(accuracy.degenerate)}"
+            f"); Config(allow_degenerate=True) keeps passes on it ({built}; not timed)"
+        )
+        return record("rejected", reason, accuracy=accuracy), None, None
     if not accuracy.passed and not waived:
         reason = f"outputs moved past tolerance{run.where} ({built}; not timed)"
-        return record("rejected", reason, pre_run=pre_run, accuracy=accuracy), None, None
+        return record("rejected", reason, accuracy=accuracy), None, None
     try:
-        timed = time_candidate(run, name)
+        speedup = time_against(before, run, name)
     except Exception as error:
         return record("failed", f"timing: {describe(error)}", accuracy=accuracy), None, None
-    timing = timed.timing
-    speedup = pre_run / timing.p50_ms
-    fields = dict(pre_run=pre_run, post_run=timing.p50_ms, accuracy=accuracy, timing=timing)
+    fields = dict(
+        pre_run=speedup.baseline.p50_ms,
+        post_run=speedup.candidate.p50_ms,
+        speedup=speedup.ratio,
+        interval=[speedup.low, speedup.high],
+        accuracy=accuracy,
+        timing=speedup.candidate,
+        doubts=list(speedup.doubts),
+    )
     check = "accuracy check disabled" if not accuracy.passed else "outputs within tolerance"
     if run.finished_by:
         check += f", both timed{run.where}"
-    if speedup >= config.min_speedup:
-        reason = f"{speedup:.2f}x, {check} ({built})"
+    bar = config.min_speedup
+    if speedup.clears(bar):
+        reason = f"{speedup.describe()}, {check} ({built})"
     elif each.enabler:
-        reason = f"kept at {speedup:.2f}x: the passes after it need what it does; {check} ({built})"
-    else:
-        shown = _below_bar(speedup)
-        reason = f"{shown}, below the {config.min_speedup:g}x needed to keep it ({built})"
+        reason = (
+            f"kept at {speedup.describe()}: the passes after it need what it does; "
+            f"{check} ({built})"
+        )
+    elif speedup.ratio >= bar:
+        reason = (
+            f"{speedup.describe()}: the interval holds the {bar:g}x needed to keep it, so "
+            f"the gain is within the noise ({built})"
+        )
         return record("rejected", reason, **fields), None, None
-    return record("kept", reason, **fields), candidate, timed
+    else:
+        reason = f"{_below_bar(speedup.ratio)}, below the {bar:g}x needed to keep it ({built})"
+        return record("rejected", reason, **fields), None, None
+    return record("kept", reason, **fields), candidate, run
 
 
 def _below_bar(speedup: float) -> str:
@@ -300,20 +354,25 @@ def _skip_reason(each: Pass, candidate: Candidate, context: Context) -> str | No
     return each.skip_reason(candidate, context)
 
 
-def _fastest(checkpoints: list, records: list[PassRecord]) -> tuple[Candidate, _Timed]:
-    """The fastest checkpoint. Normally the last, as a pass is kept only when faster;
-    but an enabler is kept even when slower, and if nothing after it paid off, an
-    earlier checkpoint wins: the passes kept after it are dropped, and say so."""
-    candidate, timed, index = min(checkpoints, key=lambda checkpoint: checkpoint[1].timing.p50_ms)
-    last = checkpoints[-1][1].timing
-    for record in records[index + 1 :]:
+def _fastest(checkpoints: list, records: list[PassRecord]) -> Candidate:
+    """The checkpoint with the largest gain. Normally the last, as a pass is kept only
+    when faster; but an enabler is kept even when slower, and if nothing after it paid
+    off, an earlier checkpoint wins: the passes kept after it are dropped, and say so."""
+    candidate, gain, index = max(checkpoints, key=lambda checkpoint: checkpoint[1])
+    last = checkpoints[-1][1]
+    _drop_kept(
+        records[index + 1 :],
+        f"dropped at the end: the result is faster without it ({gain:.2f}x the model as "
+        f"given against {last:.2f}x with it, from the speedups measured along the way)",
+    )
+    return candidate
+
+
+def _drop_kept(records: list[PassRecord], why: str) -> None:
+    for record in records:
         if record.status == "kept":
             record.status = "rejected"
-            record.reason += (
-                f"; dropped at the end: the result is faster without it "
-                f"({timed.timing.p50_ms:.2f} ms against {last.p50_ms:.2f} ms)"
-            )
-    return candidate, timed
+            record.reason += f"; {why}"
 
 
 def _mark_superseded(records: list[PassRecord], final: Candidate) -> None:
@@ -326,6 +385,39 @@ def _mark_superseded(records: list[PassRecord], final: Candidate) -> None:
 def _outputs(candidate: Candidate, context: Context) -> list:
     module = OptimizedModule.from_candidate(candidate)
     return [module(*args) for args in context.test_args]
+
+
+def _reference_outputs(given: Candidate, context: Context) -> list:
+    """The model as given on every test input; a model that fails on them is the
+    user's input to fix, not a pass's failure."""
+    from bladesmith.errors import ModelRunError
+
+    try:
+        return _outputs(given, context)
+    except Exception as error:
+        shapes = [
+            list(x.shape)
+            for x in pytree.tree_leaves(context.example_args)
+            if isinstance(x, torch.Tensor)
+        ]
+        raise ModelRunError(
+            f"the model as given failed on the test inputs (tensors of shapes {shapes}): "
+            f"{first_line(error)}"
+        ) from error
+
+
+def _callable(candidate: Candidate) -> Callable:
+    """What ``optimize`` returns for ``candidate``, as it is timed: the model as given is
+    its own call path (no wrapper: nothing can be slower than the model itself)."""
+    if not candidate.applied:
+        module = candidate.module
+
+        def own(*args, **kwargs):
+            with torch.no_grad():
+                return module(*args, **kwargs)
+
+        return own
+    return OptimizedModule.from_candidate(candidate)
 
 
 def _check_pass_names(config: Config, passes: Sequence[Pass]) -> None:

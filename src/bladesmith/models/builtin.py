@@ -12,6 +12,7 @@ from torch import nn
 
 from bladesmith.families.retinanet import RetinaNetPipeline, check_image_size
 from bladesmith.models.images import sample_images
+from bladesmith.models.weights import load_weights
 
 BACKBONES = ("resnet50", "resnet18")
 # Each level of a realistically loaded model keeps at least this many candidates over
@@ -65,8 +66,7 @@ def build_retinanet(
             model = RetinaNet(body, num_classes, **sizes)
     model.eval()
     if weights is not None:
-        state = torch.load(Path(weights), map_location="cpu", weights_only=True)
-        model.load_state_dict(state)
+        load_weights(model, weights)
     elif realistic_load:
         calibrate_for_realistic_load(model, (height, width))
     return model

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import onnx
 
+from bladesmith._files import contents, first_line, unreadable
 from bladesmith.errors import BladesmithError
 from bladesmith.onnx.rules import RULES
 from bladesmith.onnx.rules.finding import SEVERITIES, Finding
@@ -57,14 +58,20 @@ def load_model(model_or_path: onnx.ModelProto | str | Path) -> onnx.ModelProto:
         model, where = model_or_path, "the model"
     else:
         path = Path(model_or_path)
-        if not path.is_file():
-            raise NotAModelError(f"no ONNX model at {path}")
+        problem = unreadable(path)
+        if problem:
+            raise NotAModelError(f"ONNX model {str(path)!r}: {problem}")
         try:
             model = onnx.load(path)
         except Exception as error:  # protobuf raises its own DecodeError, among others
-            raise NotAModelError(f"{path} is not a readable ONNX model: {error}") from None
-        where = str(path)
-    # An empty file parses as an empty ModelProto: nothing in it is a model.
+            what = contents(path)
+            hint = "export one with bladesmith export onnx" if "model" in what else "an ONNX file"
+            raise NotAModelError(
+                f"{str(path)!r} is not a readable ONNX model but {what} ({first_line(error)}); "
+                f"{hint}"
+            ) from error
+        where = repr(str(path))
+    # An empty ModelProto (no field set) holds nothing that is a model.
     if model.ByteSize() == 0:
         raise NotAModelError(f"{where} is empty: not an ONNX model")
     return model

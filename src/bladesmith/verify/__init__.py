@@ -2,10 +2,12 @@
 any structure of them by path.
 
 ``tolerance`` holds the policy (defaults by dtype, per-output overrides), ``tensors``
-and ``detections`` the comparators (``ties``: what rounding alone may change in a
+and ``detections`` the comparators, ``degenerate`` what makes a comparison compare
+nothing (``ties``: what rounding alone may change in a
 detector's output), ``outputs`` the walk over a model's output structure.
 """
 
+from bladesmith.verify.degenerate import degenerate_reasons
 from bladesmith.verify.detections import (
     DetectionComparison,
     compare_detections,
@@ -26,6 +28,7 @@ __all__ = [
     "compare_tensors",
     "contains_detections",
     "default_tolerance",
+    "degenerate_reasons",
     "detection_score_tolerance",
     "is_detection_list",
 ]

@@ -7,27 +7,31 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
-
 from bladesmith.verify._format import finite_or_none
+from bladesmith.verify.degenerate import TENSOR_LIKE, degenerate_reasons
 from bladesmith.verify.detections import DetectionComparison, compare_detections, is_detection_list
 from bladesmith.verify.tensors import TensorComparison, compare_tensors
 from bladesmith.verify.tolerance import Tolerance
 
-# Leaves compared as tensors (bool is an int; numpy scalars are np.generic).
-_TENSOR_LIKE = (torch.Tensor, np.ndarray, np.generic, int, float, complex)
-
 
 @dataclass
 class Comparison:
-    """Every output of a model against the reference's, by path ("out[0]['boxes']")."""
+    """Every output of a model against the reference's, by path ("out[0]['boxes']").
+
+    ``degenerate`` says why the comparison has nothing to compare (non-finite inputs or
+    reference outputs, no output, every output empty or zero, no detection): such a
+    comparison does not pass unless ``allow_degenerate``, the user's consent.
+    """
 
     outputs: dict[str, TensorComparison | DetectionComparison] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)  # structure mismatches, by path
+    degenerate: list[str] = field(default_factory=list)
+    allow_degenerate: bool = False
 
     @property
     def passed(self) -> bool:
+        if self.degenerate and not self.allow_degenerate:
+            return False
         return not self.reasons and all(output.passed for output in self.outputs.values())
 
     @property
@@ -37,7 +41,13 @@ class Comparison:
         return math.inf if self.reasons else max(ratios, default=0.0)
 
     def failures(self) -> list[str]:
-        return [*self.reasons] + [
+        nothing = []
+        if self.degenerate and not self.allow_degenerate:
+            nothing = [
+                f"nothing to compare ({'; '.join(self.degenerate)}); "
+                "Config(allow_degenerate=True) accepts it"
+            ]
+        return [*nothing, *self.reasons] + [
             f"{path}: {output.summary()}"
             for path, output in self.outputs.items()
             if not output.passed
@@ -48,10 +58,10 @@ class Comparison:
         if failures:
             shown = "; ".join(failures[:3])
             return shown + (f"; and {len(failures) - 3} more" if len(failures) > 3 else "")
+        if self.degenerate:  # accepted by the user: say so all the same
+            return f"accepted with nothing to compare ({'; '.join(self.degenerate)})"
         if len(self.outputs) == 1:
             return next(iter(self.outputs.values())).summary()
-        if not self.outputs:
-            return "no outputs to compare"
         path, closest = max(self.outputs.items(), key=lambda item: item[1].tolerance_ratio)
         return (
             f"all {len(self.outputs)} outputs within tolerance; closest to its limit "
@@ -65,6 +75,7 @@ class Comparison:
             "summary": self.summary(),
             "tolerance_ratio": finite_or_none(self.tolerance_ratio),
             "reasons": list(self.reasons),
+            "degenerate": list(self.degenerate),
             "outputs": {path: output.to_dict() for path, output in self.outputs.items()},
         }
 
@@ -81,6 +92,8 @@ def compare_outputs(
     score_atol: float | None = None,
     noisy: Sequence = (),
     name: str = "out",
+    inputs=None,
+    allow_degenerate: bool = False,
 ) -> Comparison:
     """Compare a model's outputs with the reference's, whatever their structure.
 
@@ -92,9 +105,11 @@ def compare_outputs(
     wins. A key that names no output is an error, so a typo cannot go unnoticed.
     ``noisy``: the reference model's outputs under rounding noise, structured like
     ``reference`` (``engine.reference.reference_under_noise``), for ``compare_detections``.
+    ``inputs``: what the outputs were computed from, checked for NaN and inf. A
+    comparison on nothing (``Comparison.degenerate``) fails unless ``allow_degenerate``.
     """
     tolerances = dict(tolerances or {})
-    result = Comparison()
+    result = Comparison(allow_degenerate=allow_degenerate)
     used: set = set()
 
     def visit(path: str, last, ref, cand, noisy: list) -> None:
@@ -126,8 +141,8 @@ def compare_outputs(
             else:
                 for index, (r, c) in enumerate(zip(ref, cand, strict=True)):
                     visit(f"{path}[{index}]", index, r, c, [n[index] for n in noisy])
-        elif isinstance(ref, _TENSOR_LIKE):
-            if not isinstance(cand, _TENSOR_LIKE):
+        elif isinstance(ref, TENSOR_LIKE):
+            if not isinstance(cand, TENSOR_LIKE):
                 result.reasons.append(f"{path}: expected a tensor, got {type(cand).__name__}")
                 return
             keys = [key for key in (path, last) if key in tolerances]
@@ -149,6 +164,7 @@ def compare_outputs(
             )
 
     visit(name, None, reference, candidate, list(noisy))
+    result.degenerate = degenerate_reasons(reference, inputs, name)
     unused = set(tolerances) - used
     if unused:
         raise ValueError(
