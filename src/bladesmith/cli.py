@@ -18,6 +18,7 @@ _COMMAND_MODULES = (
     "bladesmith.ops.cli",
     "bladesmith.onnx.check_cli",
     "bladesmith.onnx.export_cli",
+    "bladesmith.serve.cli",
 )
 
 

@@ -9,6 +9,7 @@ Only argparse is imported here; torch and the exporter are imported when it runs
 from __future__ import annotations
 
 import argparse
+import importlib
 
 from bladesmith.cli import at_least, input_size
 
@@ -64,6 +65,7 @@ def add_parser(subparsers) -> None:
         help="write the weights to OUT.data (automatic past 2 GiB)",
     )
     parser.set_defaults(func=run)
+    importlib.import_module("bladesmith.serve.cli").add_export_parser(formats)
 
 
 def run(args: argparse.Namespace) -> int:
