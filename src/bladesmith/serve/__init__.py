@@ -14,6 +14,7 @@ import signal
 import sys
 import tempfile
 import threading
+import types
 from pathlib import Path
 
 from bladesmith.errors import BladesmithError
@@ -94,3 +95,14 @@ def serve(
     if not stop.is_set():
         raise BladesmithError(f"serve: tritonserver exited on its own (code {code})")
     return None
+
+
+class _CallablePackage(types.ModuleType):
+    """``bladesmith.serve`` is this package (imported as such by its submodules) and the
+    function: ``bladesmith.serve(artifact)`` calls ``serve``."""
+
+    def __call__(self, *args, **kwargs):
+        return serve(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

@@ -4,7 +4,8 @@
     detections = detect(images)   # [{"boxes": ..., "scores": ..., "labels": ...}, ...]
 
 The model's inputs, outputs and maximum batch are read from the server; images are sent
-in batches of at most that many rows.
+in batches of at most that many rows. A client is for one thread (tritonclient's HTTP
+client is not thread-safe): make one per thread for concurrent requests.
 """
 
 from __future__ import annotations

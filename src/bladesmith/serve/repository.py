@@ -237,7 +237,7 @@ def _onnx_model(artifact, version_dir, deployment):
             "max_batch_size: 0",
             *_tensors("input", inputs),
             *_tensors("output", outputs),
-            _instance_group(deployment.instances, parse_gpus(deployment.device)),
+            _instance_group(deployment.instances, parse_gpus(deployment.device or "cpu")),
         ]
     )
     return config + "\n", _ONNX_README
