@@ -7,11 +7,12 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import NET_BATCH, tiny_net
+from conftest import NET_BATCH, QUICK, tiny_net
 
 import bladesmith
 from bladesmith.errors import BladesmithError
 from bladesmith.serve.signature import BucketRunner, signature_of
+from engine_testing import cuda
 
 
 def rows(count: int, seed: int) -> np.ndarray:
@@ -72,26 +73,15 @@ def test_a_bad_request_is_refused_alone(net_artifacts):
     assert "expected 1 inputs, got 0" in answers[6]
 
 
-def test_a_failing_model_fails_its_batch_with_a_one_line_reason():
-    class Broken:
-        def __call__(self, x):
-            raise RuntimeError("kernel exploded\nwith a long second line")
+def test_a_failing_model_fails_its_batch_with_a_one_line_reason(net_artifacts):
+    def broken(x):
+        raise RuntimeError("kernel exploded\nwith a long second line")
 
-    runner = BucketRunner.__new__(BucketRunner)
-    runner.run = Broken()
-    runner.signature = signature_of_net()
-    assert runner.answer([[rows(1, 0)]]) == ["the model failed: RuntimeError: kernel exploded"]
-
-
-def signature_of_net():
-    from bladesmith.serve.signature import INPUT_DTYPE, Signature, TensorSpec
-
-    return Signature(
-        (TensorSpec("input_0", INPUT_DTYPE, (3, 8, 8)),),
-        (TensorSpec("output_0", np.dtype(np.float32), (5,)),),
-        NET_BATCH,
-        detections=False,
-    )
+    runner = BucketRunner(bladesmith.load(net_artifacts[".pt"]))
+    runner.run = broken
+    assert runner.answer([[rows(1, 0)], [rows(2, 1)]]) == [
+        "the model failed: RuntimeError: kernel exploded"
+    ] * 2
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".onnx"])
@@ -138,3 +128,31 @@ def test_outputs_without_a_batch_dimension_cannot_be_served(tmp_path):
     loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "pooled.pt"))
     with pytest.raises(BladesmithError, match="output 'output_0' has shape \\[\\]"):
         signature_of(loaded)
+
+
+def test_loadtest_counts_an_answer_given_to_another_request_as_wrong(net_artifacts):
+    from bladesmith.serve.loadtest import _same
+
+    runner = BucketRunner(bladesmith.load(net_artifacts[".pt"]))
+    first, second = runner.answer([[rows(1, 10)], [rows(1, 11)]])
+    assert _same(first, first) and not _same(second, first)
+    assert not _same({"output_0": first["output_0"]}, first)  # an output missing
+
+
+@cuda
+def test_on_a_gpu_each_runner_replays_its_own_cuda_graph(tmp_path):
+    from bladesmith.passes.cuda_graph import CudaGraphRunner
+
+    x = torch.randn(NET_BATCH, 3, 8, 8, device="cuda")
+    optimized, _, _ = bladesmith.optimize(
+        tiny_net().cuda(), device="cuda", test_data=[(x,)], config=QUICK, passes=[]
+    )
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt2"))
+    first, second = BucketRunner(loaded), BucketRunner(loaded)
+    assert isinstance(first.run, CudaGraphRunner) and first.run is not second.run
+    a, b = rows(3, 20), rows(6, 21)
+    for _ in range(3):  # interleaved: neither overwrites the other's buffers
+        answer_a, answer_b = first.answer([[a]])[0], second.answer([[b]])[0]
+        # TF32 convolutions on the GPU: within float32's loose tolerance.
+        np.testing.assert_allclose(answer_a["output_0"], expected(a)[0], rtol=1e-2, atol=1e-2)
+        np.testing.assert_allclose(answer_b["output_0"], expected(b)[0], rtol=1e-2, atol=1e-2)

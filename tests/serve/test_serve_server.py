@@ -3,6 +3,7 @@ requests answered with errors, clean shutdown. Everything started here is stoppe
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from conftest import free_ports, tiny_net  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 import bladesmith  # noqa: E402
+from bladesmith.cli import main  # noqa: E402
 
 MAX_BATCH = 8
 STARTUP_S = 300
@@ -86,7 +88,7 @@ def _request(client, x: np.ndarray, dtype: str = "FP32"):
     return client.infer("net", [tensor])
 
 
-def test_serve_answers_concurrent_requests_refuses_bad_ones_and_stops_cleanly(served_net):
+def test_serve_answers_concurrent_requests_refuses_bad_ones_and_stops_cleanly(served_net, tmp_path):
     process, http, metrics = served_net
     url = f"127.0.0.1:{http}"
     generator = np.random.default_rng(0)
@@ -140,12 +142,21 @@ def test_serve_answers_concurrent_requests_refuses_bad_ones_and_stops_cleanly(se
     )
     client.close()
 
+    report = tmp_path / "loadtest.json"
+    arguments = ["loadtest", url, "--concurrency", "1,8", "--requests", "40", "--json", str(report)]
+    assert main(arguments) == 0
+    rows = [
+        (r["concurrency"], r["answered"], r["wrong"], r["failed"])
+        for r in json.loads(report.read_text())
+    ]
+    assert rows == [(1, 40, 0, 0), (8, 40, 0, 0)]
+
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as page:
         text = page.read().decode()
     success = next(
         line for line in text.splitlines() if line.startswith("nv_inference_request_success")
     )
-    assert float(success.split()[-1]) >= len(requests) + 1
+    assert float(success.split()[-1]) >= len(requests) + 1 + 40 * 2
 
     servers = _children(process.pid)
     assert servers, "no tritonserver child"
@@ -213,3 +224,9 @@ def test_serve_detector_answers_each_image_with_its_own_detections(detector_arti
             assert compare_detections(expected[1:2], pending.result(timeout=60)).passed
     finally:
         server.stop()
+
+
+def test_serve_says_in_one_line_what_is_wrong(tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "missing.pt2")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "missing.pt2" in err and len(err.splitlines()) == 1

@@ -64,7 +64,7 @@ def write_repository(
     ``link``: symlink the artifact instead of copying it (a repository for this machine)."""
     artifact = Path(artifact).resolve()
     if not artifact.is_file():
-        raise BladesmithError(f"export triton: no file {str(artifact)!r}")
+        raise BladesmithError(f"ARTIFACT: no file {str(artifact)!r}")
     backend = backend or default_backend(artifact)
     if backend not in BACKENDS:
         raise BladesmithError(f"export triton: --backend must be one of {', '.join(BACKENDS)}")

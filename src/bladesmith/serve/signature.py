@@ -8,6 +8,8 @@ run, and each request gets back its own rows. Detectors are served in their padd
 
 from __future__ import annotations
 
+import sys
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,11 +118,16 @@ def module_runner(module):
 
 class BucketRunner:
     """Runs requests through one loaded artifact, in buckets of its batch size. One per
-    model instance: it holds no state between calls, so instances never share buffers."""
+    model instance. On a GPU the bucket's call is replayed from a CUDA graph whose static
+    buffers belong to this runner alone; calls are serialised (a lock) around them."""
 
     def __init__(self, module, signature: Signature | None = None):
-        self.run = module_runner(module)
         self.signature = signature or signature_of(module)
+        self.device = module.device
+        self.run = module_runner(module)
+        if self.device.type == "cuda":
+            self.run = _graphed(self.run, self.device, self.signature)
+        self._lock = threading.Lock()
 
     def answer(self, requests: list[list[np.ndarray]]) -> list[dict[str, np.ndarray] | str]:
         """For each request (its input arrays, rows first): its outputs by name, or the
@@ -159,7 +166,8 @@ class BucketRunner:
             filled = chunk[0].shape[0]
             if filled < bucket:
                 chunk = [_pad_rows(array, bucket) for array in chunk]
-            flat = _flat_outputs(self.run, chunk)
+            with self._lock:
+                flat = _flat_outputs(self.run, chunk, self.device)
             pieces.append([value[:filled] for value in flat])
         outputs = [np.concatenate(column) for column in zip(*pieces)]
         return [
@@ -174,10 +182,33 @@ def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
     return padded
 
 
-def _flat_outputs(run, arrays: list[np.ndarray]) -> list[np.ndarray]:
+def _flat_outputs(run, arrays: list[np.ndarray], device=None) -> list[np.ndarray]:
+    tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    if device is not None and device.type == "cuda":  # a graph's inputs live on its device
+        tensors = [t.pin_memory().to(device, non_blocking=True) for t in tensors]
     with torch.no_grad():
-        outputs = run(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+        outputs = run(*tensors)
     return [_to_numpy(value) for value in pytree.tree_leaves(outputs)]
+
+
+def _graphed(run, device: torch.device, signature: Signature):
+    """``run`` replayed from a CUDA graph captured now on a zero bucket, or ``run`` itself
+    where the artifact cannot be captured (said on stderr: the server still serves)."""
+    from bladesmith.passes.cuda_graph import CudaGraphRunner
+
+    graphed = CudaGraphRunner(run, device)
+    zeros = [
+        torch.zeros((signature.bucket, *spec.dims), dtype=torch.float32, device=device)
+        for spec in signature.inputs
+    ]
+    try:
+        with torch.no_grad():
+            graphed(*zeros)
+    except RuntimeError as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(f"bladesmith serve: no CUDA graph for this artifact ({reason})", file=sys.stderr)
+        return run
+    return graphed
 
 
 def _to_numpy(value) -> np.ndarray:
