@@ -29,9 +29,10 @@ import torch
 
 import bladesmith
 from bladesmith.bench import measure
+from bladesmith.engine.reference import reference_under_noise
 from bladesmith.models.images import sample_images
 from bladesmith.models.retinanet import build_retinanet
-from bladesmith.verify import compare_detections, reference_under_noise
+from bladesmith.verify import compare_detections
 
 
 def main() -> None:
@@ -200,7 +201,7 @@ def write_json(path, rows, reports, device, args) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    from bladesmith.cli import input_size
+    from bladesmith.cli.args import input_size
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto")

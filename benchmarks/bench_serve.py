@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 import bladesmith
+from bladesmith._files import write_atomically
 from bladesmith.serve.loadtest import loadtest
 from bladesmith.serve.signature import INPUT_DTYPE, module_runner
 
@@ -136,7 +137,8 @@ def main() -> int:
             "in_process_images_per_s": round(in_process, 2),
             "served": [vars(row) | {"ratio": row.throughput / in_process} for row in rows],
         }
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        text = json.dumps(result, indent=2)
+        write_atomically(args.json, lambda temporary: temporary.write_text(text))
     return 0 if all(row.wrong == row.failed == 0 for row in rows) else 1
 
 

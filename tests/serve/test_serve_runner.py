@@ -141,7 +141,7 @@ def test_loadtest_counts_an_answer_given_to_another_request_as_wrong(net_artifac
 
 @cuda
 def test_on_a_gpu_each_runner_replays_its_own_cuda_graph(tmp_path):
-    from bladesmith.passes.cuda_graph import CudaGraphRunner
+    from bladesmith.runtimes.cuda_graph import CudaGraphRunner
 
     x = torch.randn(NET_BATCH, 3, 8, 8, device="cuda")
     optimized, _, _ = bladesmith.optimize(

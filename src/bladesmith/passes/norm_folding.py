@@ -18,10 +18,9 @@ from torch import nn
 
 from bladesmith.models.convs import fold_norm, norm_after
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass, register
+from bladesmith.passes.registry import Context, Pass
 
 
-@register
 class NormFolding(Pass):
     """Batch norms folded into the convolutions before them, weights channels_last (CPU)."""
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bladesmith._files import write_atomically
 from bladesmith.errors import BladesmithError
 from bladesmith.serve.signature import TRITON_DTYPES, Signature, TensorSpec
 from bladesmith.spec import ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
@@ -88,8 +89,8 @@ def write_repository(
     except BaseException:
         shutil.rmtree(model_dir)
         raise
-    (model_dir / "config.pbtxt").write_text(f'name: "{name}"\n{config}')
-    (Path(repository) / "README.md").write_text(readme.format(repository=Path(repository)))
+    _write_text(model_dir / "config.pbtxt", f'name: "{name}"\n{config}')
+    _write_text(Path(repository) / "README.md", readme.format(repository=Path(repository)))
     return model_dir
 
 
@@ -140,6 +141,10 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
         libdir=sysconfig.get_config_var("LIBDIR"),
         bindir=Path(sys.executable).parent,
     )
+
+
+def _write_text(path: Path, text: str) -> None:
+    write_atomically(path, lambda temporary: temporary.write_text(text))
 
 
 def _library(path) -> Path:

@@ -194,7 +194,7 @@ def _flat_outputs(run, arrays: list[np.ndarray], device=None) -> list[np.ndarray
 def _graphed(run, device: torch.device, signature: Signature):
     """``run`` replayed from a CUDA graph captured now on a zero bucket, or ``run`` itself
     where the artifact cannot be captured (said on stderr: the server still serves)."""
-    from bladesmith.passes.cuda_graph import CudaGraphRunner
+    from bladesmith.runtimes.cuda_graph import CudaGraphRunner
 
     graphed = CudaGraphRunner(run, device)
     zeros = [

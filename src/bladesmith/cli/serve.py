@@ -1,8 +1,7 @@
-"""`bladesmith serve`, `bladesmith loadtest` and `bladesmith export triton`.
+"""`bladesmith serve` and `bladesmith loadtest` (`export triton` is in export.py).
 
     bladesmith serve rn.pt2 --max-batch 32 --instances 2
     bladesmith loadtest localhost:8000 --model rn --concurrency 1,8,32 --requests 500
-    bladesmith export triton rn.pt triton_models --name retinanet
 
 Only argparse is imported here; torch and Triton's packages are imported when a command runs.
 """
@@ -11,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from bladesmith.cli import at_least
+from bladesmith.cli.args import at_least
 
 
 def add_parser(subparsers) -> None:
@@ -28,7 +27,7 @@ def add_parser(subparsers) -> None:
     )
     serve.add_argument("artifact", metavar="ARTIFACT", help=".pt2, .pt or .onnx artifact")
     serve.add_argument("--name", help="model name (default: the file's stem)")
-    _add_deployment_options(serve)
+    add_deployment_options(serve)
     serve.add_argument("--http-port", type=at_least(1), default=8000, help="(default 8000)")
     serve.add_argument("--grpc-port", type=at_least(1), default=8001, help="(default 8001)")
     serve.add_argument("--metrics-port", type=at_least(1), default=8002, help="(default 8002)")
@@ -58,32 +57,7 @@ def add_parser(subparsers) -> None:
     loadtest.set_defaults(func=run_loadtest)
 
 
-def add_export_parser(formats) -> None:
-    """`export triton`, beside the other formats of `bladesmith export`."""
-    parser = formats.add_parser(
-        "triton",
-        help="a Triton model repository for a saved artifact",
-        description=(
-            "Write REPO_DIR/NAME/config.pbtxt and the version folder for Triton Inference "
-            "Server, and REPO_DIR/README.md with the launch command. Backends: python (any "
-            "artifact, dynamic batching into its batch size; the default for .pt2), "
-            "pytorch_libtorch (TorchScript .pt, bladesmith's operator library beside it, to "
-            "LD_PRELOAD) and onnxruntime (standard ONNX)."
-        ),
-    )
-    parser.add_argument("artifact", metavar="ARTIFACT", help=".pt2, .pt or .onnx artifact")
-    parser.add_argument("repository", metavar="REPO_DIR", help="model repository folder")
-    parser.add_argument("--name", help="model name (default: the file's stem)")
-    parser.add_argument(
-        "--backend",
-        choices=("python", "pytorch_libtorch", "onnxruntime"),
-        help="default: pytorch_libtorch for .pt, onnxruntime for .onnx, python for .pt2",
-    )
-    _add_deployment_options(parser)
-    parser.set_defaults(func=run_export)
-
-
-def _add_deployment_options(parser: argparse.ArgumentParser) -> None:
+def add_deployment_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--load-library",
         action="append",
@@ -140,26 +114,12 @@ def run_loadtest(args: argparse.Namespace) -> int:
     import json
     from dataclasses import asdict
 
+    from bladesmith._files import write_atomically
     from bladesmith.serve.loadtest import loadtest, render
 
     rows = loadtest(args.url, args.model, concurrency=args.concurrency, requests=args.requests)
     print(render(rows))
     if args.json:
-        with open(args.json, "w") as file:
-            json.dump([asdict(row) for row in rows], file, indent=2)
+        text = json.dumps([asdict(row) for row in rows], indent=2)
+        write_atomically(args.json, lambda temporary: temporary.write_text(text))
     return 0 if all(row.failed == row.wrong == 0 for row in rows) else 1
-
-
-def run_export(args: argparse.Namespace) -> int:
-    from bladesmith.serve.repository import Deployment, write_repository
-
-    model_dir = write_repository(
-        args.artifact,
-        args.repository,
-        name=args.name,
-        backend=args.backend,
-        deployment=Deployment(args.max_batch, args.max_queue_delay_us, args.instances, args.device),
-        libraries=tuple(args.load_library),
-    )
-    print(f"wrote {model_dir} (config.pbtxt, version 1); launch: {args.repository}/README.md")
-    return 0

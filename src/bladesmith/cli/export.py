@@ -1,7 +1,9 @@
-"""`bladesmith export onnx MODEL OUT`: a built-in model or a TorchScript file to ONNX.
+"""`bladesmith export onnx MODEL OUT`: a built-in model or a model file to ONNX;
+`bladesmith export triton ARTIFACT REPO_DIR`: a Triton model repository for an artifact.
 
     bladesmith export onnx torchvision:retinanet_resnet50_fpn retinanet.onnx \\
         --custom-ops standard --input-size 480x640 --batch 1
+    bladesmith export triton rn.pt triton_models --name retinanet
 
 Only argparse is imported here; torch and the exporter are imported when it runs.
 """
@@ -9,11 +11,11 @@ Only argparse is imported here; torch and the exporter are imported when it runs
 from __future__ import annotations
 
 import argparse
-import importlib
 
-from bladesmith.cli import at_least, input_size
+from bladesmith.cli.args import at_least, input_size
+from bladesmith.cli.models import BUILTIN_MODELS, DEFAULT_MODEL, MODEL_HELP
+from bladesmith.cli.serve import add_deployment_options
 
-BUILTIN_RETINANET = "torchvision:retinanet_resnet50_fpn"
 DETECTION_OUTPUTS = ["boxes", "scores", "labels", "num_detections"]
 
 
@@ -26,15 +28,13 @@ def add_parser(subparsers) -> None:
         "onnx",
         help="export to ONNX, the bladesmith operators as custom nodes or standard ONNX",
         description=(
-            f"Export MODEL ({BUILTIN_RETINANET}, or a TorchScript file taking one image "
-            "batch [N, 3, H, W] in [0, 1]) to the ONNX file OUT, checked with ONNX's "
+            f"Export MODEL ({DEFAULT_MODEL}, or a TorchScript/torch.export file taking one "
+            "image batch [N, 3, H, W] in [0, 1]) to the ONNX file OUT, checked with ONNX's "
             "full checker. The built-in RetinaNet has random weights unless --weights "
             "names a local state-dict file."
         ),
     )
-    parser.add_argument(
-        "model", metavar="MODEL", help=f"{BUILTIN_RETINANET} or a TorchScript .pt file"
-    )
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("output", metavar="OUT", help="the .onnx file to write")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
     parser.add_argument(
@@ -65,14 +65,14 @@ def add_parser(subparsers) -> None:
         help="write the weights to OUT.data (automatic past 2 GiB)",
     )
     parser.set_defaults(func=run)
-    importlib.import_module("bladesmith.serve.cli").add_export_parser(formats)
+    _add_triton_parser(formats)
 
 
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from bladesmith.models.images import sample_images
-    from bladesmith.onnx.export import export
+    from bladesmith.onnx.exporter import export
 
     model, output_names = _load_model(args)
     images = sample_images(args.batch, args.input_size)
@@ -96,30 +96,50 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load_model(args):
-    from pathlib import Path
+    from bladesmith.cli.models import load_model
 
-    from bladesmith.errors import BladesmithError
+    model = load_model(args.model, args.input_size, args.weights, args.num_classes)
+    if args.model not in BUILTIN_MODELS:
+        return model, None
+    from bladesmith.models.retinanet import RetinaNetPipeline
 
-    if args.model == BUILTIN_RETINANET:
-        from bladesmith.models.retinanet import RetinaNetPipeline, build_retinanet
+    return RetinaNetPipeline(model, args.input_size).eval(), DETECTION_OUTPUTS
 
-        model = build_retinanet(
-            image_size=args.input_size, weights=args.weights, num_classes=args.num_classes
-        )
-        return RetinaNetPipeline(model, args.input_size).eval(), DETECTION_OUTPUTS
-    if args.weights is not None:
-        raise BladesmithError("--weights applies to the built-in model only")
-    path = Path(args.model)
-    if not path.is_file():
-        raise BladesmithError(
-            f"MODEL: expected {BUILTIN_RETINANET} or a TorchScript file; {path} does not exist"
-        )
-    import torch
 
-    from bladesmith import ops
+def _add_triton_parser(formats) -> None:
+    parser = formats.add_parser(
+        "triton",
+        help="a Triton model repository for a saved artifact",
+        description=(
+            "Write REPO_DIR/NAME/config.pbtxt and the version folder for Triton Inference "
+            "Server, and REPO_DIR/README.md with the launch command. Backends: python (any "
+            "artifact, dynamic batching into its batch size; the default for .pt2), "
+            "pytorch_libtorch (TorchScript .pt, bladesmith's operator library beside it, to "
+            "LD_PRELOAD) and onnxruntime (standard ONNX)."
+        ),
+    )
+    parser.add_argument("artifact", metavar="ARTIFACT", help=".pt2, .pt or .onnx artifact")
+    parser.add_argument("repository", metavar="REPO_DIR", help="model repository folder")
+    parser.add_argument("--name", help="model name (default: the file's stem)")
+    parser.add_argument(
+        "--backend",
+        choices=("python", "pytorch_libtorch", "onnxruntime"),
+        help="default: pytorch_libtorch for .pt, onnxruntime for .onnx, python for .pt2",
+    )
+    add_deployment_options(parser)
+    parser.set_defaults(func=run_triton)
 
-    ops.load_library()  # a TorchScript file that calls the operators needs them to load
-    try:
-        return torch.jit.load(str(path), map_location="cpu").eval(), None
-    except RuntimeError as error:
-        raise BladesmithError(f"{path} is not a loadable TorchScript file: {error}") from error
+
+def run_triton(args: argparse.Namespace) -> int:
+    from bladesmith.serve.repository import Deployment, write_repository
+
+    model_dir = write_repository(
+        args.artifact,
+        args.repository,
+        name=args.name,
+        backend=args.backend,
+        deployment=Deployment(args.max_batch, args.max_queue_delay_us, args.instances, args.device),
+        libraries=tuple(args.load_library),
+    )
+    print(f"wrote {model_dir} (config.pbtxt, version 1); launch: {args.repository}/README.md")
+    return 0
