@@ -106,6 +106,9 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
     loaded = bladesmith.load(artifact)
     gpus = _gpus(artifact, loaded.device, deployment.device)
     signature = signature_of(loaded)
+    del loaded
+    if gpus is not None:
+        torch.cuda.empty_cache()  # the instances load their own copies; this one is done
     target = version_dir / artifact.name
     if link:
         target.symlink_to(artifact)
