@@ -69,17 +69,17 @@ def net_artifacts(tmp_path_factory):
 def detector_artifact(tmp_path_factory):
     """torchvision's RetinaNet (ResNet-18 FPN, 128x160, random weights) as the fixed-shape
     padded pipeline, saved as TorchScript; and its photograph."""
-    from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
+    from bladesmith.passes.fixed_shape import FixedShape
     from engine_testing import Memoized, tiny_detector
 
     model, photos = tiny_detector()
-    # Memoized keeps the adapter whatever the timings; save() traces the adapted model.
+    # Memoized keeps fixed_shape whatever the timings; save() traces the pipeline.
     optimized, _, _ = bladesmith.optimize(
         model,
         device="cpu",
         test_data=[(photos,)],
         config=QUICK,
-        passes=[RetinaNetAdapter(), Memoized()],
+        passes=[FixedShape(), Memoized()],
     )
     path = bladesmith.save(optimized, tmp_path_factory.mktemp("detector") / "detector.pt")
     return path, photos

@@ -79,9 +79,10 @@ def test_a_failing_model_fails_its_batch_with_a_one_line_reason(net_artifacts):
 
     runner = BucketRunner(bladesmith.load(net_artifacts[".pt"]))
     runner.run = broken
-    assert runner.answer([[rows(1, 0)], [rows(2, 1)]]) == [
-        "the model failed: RuntimeError: kernel exploded"
-    ] * 2
+    assert (
+        runner.answer([[rows(1, 0)], [rows(2, 1)]])
+        == ["the model failed: RuntimeError: kernel exploded"] * 2
+    )
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".onnx"])

@@ -47,13 +47,14 @@ def reference_under_noise(
 
 
 class Reference:
-    """The model's outputs on the test inputs and, for a detector, the same under
-    rounding noise: the detections that rounding alone flips are not held against a
+    """The model's outputs on the test inputs, compared by its family (``family``, when
+    one recognised the model) and, for outputs that rounding can flip (detections),
+    the same under rounding noise: what rounding alone flips is not held against a
     pass. The noisy runs are made the first time a comparison fails without them."""
 
-    def __init__(self, outputs: list, model: nn.Module, context: Context):
-        self.outputs, self.model, self.context = outputs, model, context
-        self.detects = contains_detections(outputs)
+    def __init__(self, outputs: list, model: nn.Module, context: Context, family=None):
+        self.outputs, self.model, self.context, self.family = outputs, model, context, family
+        self.flips = family is not None or contains_detections(outputs)
         self._noisy: list | None = None
 
     def noisy(self) -> list:
@@ -78,8 +79,10 @@ class Reference:
         rtol = config.rtol if config.rtol is not None else rtol
         atol = config.atol if config.atol is not None else atol
 
+        by = self.family.compare if self.family is not None else compare_outputs
+
         def compare(noisy) -> Comparison:
-            return compare_outputs(
+            return by(
                 self.outputs,
                 outputs,
                 noisy=noisy,
@@ -91,4 +94,4 @@ class Reference:
             )
 
         comparison = compare(())
-        return compare(self.noisy()) if self.detects and not comparison.passed else comparison
+        return compare(self.noisy()) if self.flips and not comparison.passed else comparison

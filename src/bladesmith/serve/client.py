@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from bladesmith.errors import BladesmithError
-from bladesmith.serve.signature import DETECTION_OUTPUTS, INPUT_DTYPE
+from bladesmith.families.base import DetectionFamily
+from bladesmith.serve.signature import INPUT_DTYPE
 
 
 class Client:
@@ -47,7 +48,7 @@ class Client:
         ]
         self.outputs = [t["name"] for t in metadata["outputs"]]
         self.max_batch = int(config.get("max_batch_size", 0))
-        self.detections = tuple(self.outputs) == DETECTION_OUTPUTS
+        self.detections = tuple(self.outputs) == DetectionFamily.output_names
 
     def _call(self, method, *args, **kwargs):
         from tritonclient.utils import InferenceServerException

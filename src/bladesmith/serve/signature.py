@@ -2,8 +2,9 @@
 
 A saved artifact is fixed to the shapes it was optimized for, batch included: that batch
 is the bucket. Requests are stacked, cut into buckets, the last one padded with zeros,
-run, and each request gets back its own rows. Detectors are served in their padded form
-(boxes, scores, labels, num_detections), one fixed shape whatever they find.
+run, and each request gets back its own rows. A model of a family (a detector) is served
+in the family's padded form (``Family.output_names``: boxes, scores, labels,
+num_detections), one fixed shape whatever it finds.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bladesmith.errors import BladesmithError
+from bladesmith.families.base import DetectionFamily
 from bladesmith.spec import OUTPUT_AS_MODEL
 
-DETECTION_INPUT = "images"
-DETECTION_OUTPUTS = ("boxes", "scores", "labels", "num_detections")
+FAMILY_INPUT = "images"  # a family's pipeline takes one batch of images
 # The served inputs are float32 images/features: bladesmith's spec records input shapes
 # (the fast path's), and every artifact it writes takes float32 there.
 INPUT_DTYPE = np.dtype(np.float32)
@@ -54,7 +55,7 @@ class Signature:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     bucket: int  # the batch the artifact was built for
-    detections: bool
+    detections: bool  # a detection family's padded outputs
 
     def check(self, arrays: list[np.ndarray]) -> str | None:
         """Why one request's inputs cannot be run, or None. The server checks names,
@@ -89,14 +90,14 @@ def signature_of(module) -> Signature:
         raise BladesmithError(
             f"serve: the artifact's inputs disagree on the batch dimension: {list(shapes)}"
         )
-    detections = module.padded_detections
-    if detections:
-        names = (DETECTION_INPUT,)
+    family = module.family
+    if family is not None:
+        names = (FAMILY_INPUT,)
     else:
         names = tuple(f"input_{i}" for i in range(len(shapes)))
     inputs = tuple(TensorSpec(n, INPUT_DTYPE, tuple(s[1:])) for n, s in zip(names, shapes))
     flat = _flat_outputs(module_runner(module), [np.zeros(s, INPUT_DTYPE) for s in shapes])
-    names = DETECTION_OUTPUTS if detections else [f"output_{i}" for i in range(len(flat))]
+    names = family.output_names if family else [f"output_{i}" for i in range(len(flat))]
     outputs = []
     for name, value in zip(names, flat):
         if value.ndim == 0 or value.shape[0] != bucket:
@@ -108,12 +109,13 @@ def signature_of(module) -> Signature:
         outputs.append(TensorSpec(name, value.dtype, (1,) if scalar else value.shape[1:], scalar))
     if spec.output == OUTPUT_AS_MODEL and not flat:
         raise BladesmithError("serve: the artifact returns no tensor")
+    detections = isinstance(family, DetectionFamily)
     return Signature(inputs, tuple(outputs), bucket, detections)
 
 
 def module_runner(module):
-    """The call that gives a loaded artifact's outputs as tensors (detectors: padded)."""
-    return module.as_padded() if module.padded_detections else module
+    """The call that gives a loaded artifact's outputs as tensors (a family's: padded)."""
+    return module.as_padded() if module.family is not None else module
 
 
 class BucketRunner:
