@@ -70,7 +70,11 @@ def test_leaves_norms_it_cannot_fold_and_skips_models_without_any():
 
 def test_detector_keeps_its_detections():
     model, photos = tiny_detector()
-    randomize_norms(model)
+    # The same norms in any test order: some draws leave near ties that NMS resolves
+    # either way after any rounding change, which this strict comparison counts.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        randomize_norms(model)
     adapted, folded = detections_through(model, photos, [], [NormFolding()], device="cpu")
     result = compare_detections(adapted, folded, iou_threshold=0.99, min_f1=0.99)
     assert result.passed, result.summary()

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton (bladesmith[serve])")
 
-from conftest import NET_BATCH, free_ports, tiny_net  # noqa: E402
+from serve_testing import NET_BATCH, free_ports, tiny_net  # noqa: E402
 
 import bladesmith  # noqa: E402
 from bladesmith.cli import main  # noqa: E402

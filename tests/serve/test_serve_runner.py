@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import NET_BATCH, QUICK, tiny_net
+from serve_testing import NET_BATCH, QUICK, tiny_net
 
 import bladesmith
 from bladesmith.errors import BladesmithError
@@ -115,7 +115,7 @@ def test_one_loaded_artifact_called_from_8_threads_gives_each_caller_its_answer(
 
 
 def test_outputs_without_a_batch_dimension_cannot_be_served(tmp_path):
-    from conftest import QUICK
+    from serve_testing import QUICK
     from torch import nn
 
     class Pooled(nn.Module):

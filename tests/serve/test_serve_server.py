@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton (bladesmith[serve])")
 import tritonclient.http as triton  # noqa: E402
-from conftest import free_ports, tiny_net  # noqa: E402
+from serve_testing import free_ports, tiny_net  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 import bladesmith  # noqa: E402
