@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from serve_testing import QUICK, optimized_net
+from serve_testing import optimized_net
 
 import bladesmith
 
@@ -22,17 +22,8 @@ def net_artifacts(tmp_path_factory):
 def detector_artifact(tmp_path_factory):
     """torchvision's RetinaNet (ResNet-18 FPN, 128x160, random weights) as the fixed-shape
     padded pipeline, saved as TorchScript; and its photograph."""
-    from bladesmith.passes.fixed_shape import FixedShape
-    from engine_testing import Memoized, tiny_detector
+    from engine_testing import optimized_tiny_detector
 
-    model, photos = tiny_detector()
-    # Memoized keeps fixed_shape whatever the timings; save() traces the pipeline.
-    optimized, _, _ = bladesmith.optimize(
-        model,
-        device="cpu",
-        test_data=[(photos,)],
-        config=QUICK,
-        passes=[FixedShape(), Memoized()],
-    )
+    optimized, _, photos = optimized_tiny_detector()
     path = bladesmith.save(optimized, tmp_path_factory.mktemp("detector") / "detector.pt")
     return path, photos
