@@ -79,6 +79,24 @@ def tiny_detector():
     return model, list(sample_images(1, IMAGE_SIZE))
 
 
+def optimized_tiny_detector():
+    """The tiny detector optimized on the CPU as its fixed-shape pipeline, with its spec
+    and photograph. Memoized keeps fixed_shape whatever the timings; ``save`` traces the
+    pipeline itself, so a saved artifact computes for real."""
+    import bladesmith
+    from bladesmith.passes.fixed_shape import FixedShape
+
+    model, photos = tiny_detector()
+    optimized, spec, _ = bladesmith.optimize(
+        model,
+        device="cpu",
+        test_data=[(photos,)],
+        config=Config(warmup=0, iters=1),
+        passes=[FixedShape(), Memoized()],
+    )
+    return optimized, spec, photos
+
+
 class Memoized(Pass):
     """Runs the candidate once on the example input and returns copies of those outputs
     from then on: accurate on that input and far faster than anything real, so every

@@ -9,9 +9,8 @@ from torch import nn
 import bladesmith
 from bladesmith.config import Config
 from bladesmith.errors import BladesmithError
-from bladesmith.passes.fixed_shape import FixedShape
 from bladesmith.verify import compare_detections, detection_score_tolerance
-from engine_testing import Memoized, cuda, tiny_detector
+from engine_testing import cuda, optimized_tiny_detector, tiny_detector
 
 QUICK = Config(warmup=0, iters=1)
 
@@ -28,15 +27,7 @@ def optimized_net():
 
 @pytest.fixture(scope="module")
 def detector():
-    model, photos = tiny_detector()
-    optimized, spec, _ = bladesmith.optimize(
-        model,
-        device="cpu",
-        test_data=[(photos,)],
-        config=QUICK,
-        passes=[FixedShape(), Memoized()],
-    )
-    return optimized, spec, photos
+    return optimized_tiny_detector()
 
 
 def test_torchscript_round_trip_keeps_outputs_and_spec(tmp_path):

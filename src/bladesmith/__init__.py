@@ -21,6 +21,8 @@ _EXPORTS = {
     "devices": ("bladesmith.devices", None),
     "ops": ("bladesmith.ops", None),
     "onnx": ("bladesmith.onnx", None),
+    "serve": ("bladesmith.serve", None),  # the package, callable as serve.serve
+    "client": ("bladesmith.serve.client", "client"),
 }
 
 __all__ = [*_EXPORTS, "__version__"]

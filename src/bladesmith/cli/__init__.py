@@ -19,6 +19,7 @@ _COMMAND_MODULES = (
     "bladesmith.cli.ops",
     "bladesmith.cli.check",
     "bladesmith.cli.export",
+    "bladesmith.cli.serve",
 )
 
 

@@ -1,7 +1,9 @@
-"""`bladesmith export onnx MODEL OUT`: a built-in model or a model file to ONNX.
+"""`bladesmith export onnx MODEL OUT`: a built-in model or a model file to ONNX;
+`bladesmith export triton ARTIFACT REPO_DIR`: a Triton model repository for an artifact.
 
     bladesmith export onnx torchvision:retinanet_resnet50_fpn retinanet.onnx \\
         --custom-ops standard --input-size 480x640 --batch 1
+    bladesmith export triton rn.pt triton_models --name retinanet
 
 Only argparse is imported here; torch and the exporter are imported when it runs.
 """
@@ -18,6 +20,7 @@ from bladesmith.cli.args import (
     readable_file,
 )
 from bladesmith.cli.models import DEFAULT_MODEL, MODEL_HELP
+from bladesmith.cli.serve import add_deployment_options
 
 
 def add_parser(subparsers) -> None:
@@ -71,6 +74,7 @@ def add_parser(subparsers) -> None:
     )
     add_library_options(parser)
     parser.set_defaults(func=run)
+    _add_triton_parser(formats)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,3 +115,42 @@ def _load_model(args):
     if family is None:
         return model, None
     return family.adapt(model, args.input_size).eval(), list(family.output_names)
+
+
+def _add_triton_parser(formats) -> None:
+    parser = formats.add_parser(
+        "triton",
+        help="a Triton model repository for a saved artifact",
+        description=(
+            "Write REPO_DIR/NAME/config.pbtxt and the version folder for Triton Inference "
+            "Server, and REPO_DIR/README.md with the launch command. Backends: python (any "
+            "artifact, dynamic batching into its batch size; the default for .pt2), "
+            "pytorch_libtorch (TorchScript .pt, bladesmith's operator library beside it, to "
+            "LD_PRELOAD) and onnxruntime (standard ONNX)."
+        ),
+    )
+    parser.add_argument("artifact", metavar="ARTIFACT", help=".pt2, .pt or .onnx artifact")
+    parser.add_argument("repository", metavar="REPO_DIR", help="model repository folder")
+    parser.add_argument("--name", help="model name (default: the file's stem)")
+    parser.add_argument(
+        "--backend",
+        choices=("python", "pytorch_libtorch", "onnxruntime"),
+        help="default: pytorch_libtorch for .pt, onnxruntime for .onnx, python for .pt2",
+    )
+    add_deployment_options(parser)
+    parser.set_defaults(func=run_triton)
+
+
+def run_triton(args: argparse.Namespace) -> int:
+    from bladesmith.serve.repository import Deployment, write_repository
+
+    model_dir = write_repository(
+        args.artifact,
+        args.repository,
+        name=args.name,
+        backend=args.backend,
+        deployment=Deployment(args.max_batch, args.max_queue_delay_us, args.instances, args.device),
+        libraries=tuple(args.load_library),
+    )
+    print(f"wrote {model_dir} (config.pbtxt, version 1); launch: {args.repository}/README.md")
+    return 0

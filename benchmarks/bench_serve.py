@@ -1,0 +1,146 @@
+"""Served on Triton against in-process, side by side: throughput and latency per concurrency.
+
+    # H200: RetinaNet R50-FPN at 480x640 optimized for batch 32, then served
+    bladesmith optimize torchvision:retinanet_resnet50_fpn --device cuda --batch 32 --out rn32.pt2
+    python benchmarks/bench_serve.py --artifact rn32.pt2 --instances 2 --json serve.json
+
+    # any machine: torchvision's ResNet-18 (random weights) at 3x32x32, batch 4, on the CPU
+    python benchmarks/bench_serve.py --small
+
+In-process: the loaded artifact called back to back on full batches of the size it was
+built for (its best throughput), one thread. Served: `bladesmith.serve` (Triton, dynamic
+batching into that batch size, ``--instances`` model instances), loaded by client threads
+sending one image per request at each concurrency, every answer checked against the
+server's answer for the same image alone (``bladesmith loadtest``). The ratio is served
+images/s over in-process images/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import bladesmith
+from bladesmith._files import write_atomically
+from bladesmith.serve.loadtest import loadtest
+from bladesmith.serve.signature import INPUT_DTYPE, module_runner
+
+
+def in_process_images_per_second(module, seconds: float) -> float:
+    shapes = module.spec.input_shapes
+    batch = shapes[0][0]
+    inputs = [
+        torch.from_numpy(np.random.default_rng(0).random(s, dtype=INPUT_DTYPE)) for s in shapes
+    ]
+    run = module_runner(module)
+    synchronize = torch.cuda.synchronize if module.device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        run(*inputs)
+    synchronize()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        run(*inputs)
+        calls += 1
+        if calls % 8 == 0:
+            synchronize()
+    synchronize()
+    return calls * batch / (time.perf_counter() - start)
+
+
+def small_artifact(folder: Path) -> Path:
+    from torchvision.models import resnet18
+
+    from bladesmith.config import Config
+
+    torch.manual_seed(0)
+    model = resnet18(weights=None).eval()
+    x = torch.rand(4, 3, 32, 32)
+    optimized, _, _ = bladesmith.optimize(
+        model, device="cpu", test_data=[(x,)], config=Config(warmup=1, iters=3), passes=[]
+    )
+    return bladesmith.save(optimized, folder / "resnet18.pt")
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for each in sockets:
+        each.bind(("127.0.0.1", 0))
+    ports = [each.getsockname()[1] for each in sockets]
+    for each in sockets:
+        each.close()
+    return ports
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--artifact", help="a .pt2/.pt/.onnx artifact from bladesmith")
+    parser.add_argument("--small", action="store_true", help="ResNet-18 at 32x32 on the CPU")
+    parser.add_argument("--concurrency", default="1,8,32,128", help="default 1,8,32,128")
+    parser.add_argument("--requests", type=int, default=1000, help="per concurrency")
+    parser.add_argument("--instances", type=int, default=1, help="model instances")
+    parser.add_argument("--max-queue-delay-us", type=int, default=2000)
+    parser.add_argument("--seconds", type=float, default=10.0, help="in-process timing")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    if not args.artifact and not args.small:
+        parser.error("give --artifact PATH or --small")
+    concurrency = tuple(int(c) for c in args.concurrency.split(","))
+    with tempfile.TemporaryDirectory() as folder:
+        artifact = Path(args.artifact) if args.artifact else small_artifact(Path(folder))
+        module = bladesmith.load(artifact)
+        batch = module.spec.input_shapes[0][0]
+        in_process = in_process_images_per_second(module, args.seconds)
+        del module  # the server's instances hold their own copies
+        http, grpc, metrics = free_ports(3)
+        server = bladesmith.serve(
+            artifact,
+            name="model",
+            http_port=http,
+            grpc_port=grpc,
+            metrics_port=metrics,
+            instances=args.instances,
+            max_queue_delay_us=args.max_queue_delay_us,
+            block=False,
+            log=Path(folder) / "triton.log",
+        )
+        try:
+            rows = loadtest(server.url, "model", concurrency=concurrency, requests=args.requests)
+        finally:
+            server.stop()
+    device = "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"{artifact.name} (batch {batch}), {args.instances} instance(s), {device}")
+    print(f"in-process: {in_process:,.1f} images/s at batch {batch}")
+    print(
+        f"{'concurrency':>11} {'images/s':>10} {'vs in-proc':>10} {'p50 ms':>8} "
+        f"{'p90 ms':>8} {'p99 ms':>8} {'wrong':>5} {'failed':>6}"
+    )
+    for row in rows:
+        print(
+            f"{row.concurrency:>11} {row.throughput:>10,.1f} {row.throughput / in_process:>10.2f} "
+            f"{row.p50_ms:>8.2f} {row.p90_ms:>8.2f} {row.p99_ms:>8.2f} {row.wrong:>5} "
+            f"{row.failed:>6}"
+        )
+    if args.json:
+        result = {
+            "artifact": artifact.name,
+            "batch": batch,
+            "instances": args.instances,
+            "device": device,
+            "in_process_images_per_s": round(in_process, 2),
+            "served": [vars(row) | {"ratio": row.throughput / in_process} for row in rows],
+        }
+        text = json.dumps(result, indent=2)
+        write_atomically(args.json, lambda temporary: temporary.write_text(text))
+    return 0 if all(row.wrong == row.failed == 0 for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

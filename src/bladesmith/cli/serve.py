@@ -1,0 +1,125 @@
+"""`bladesmith serve` and `bladesmith loadtest` (`export triton` is in export.py).
+
+    bladesmith serve rn.pt2 --max-batch 32 --instances 2
+    bladesmith loadtest localhost:8000 --model rn --concurrency 1,8,32 --requests 500
+
+Only argparse is imported here; torch and Triton's packages are imported when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from bladesmith.cli.args import at_least
+
+
+def add_parser(subparsers) -> None:
+    serve = subparsers.add_parser(
+        "serve",
+        help="serve a saved artifact on Triton Inference Server",
+        description=(
+            "Serve ARTIFACT (.pt2, .pt or .onnx written by bladesmith) on Triton Inference "
+            "Server (bundled with nvidia-pytriton): HTTP, gRPC and Prometheus metrics, dynamic "
+            "batching into the artifact's batch size (partial batches padded), one process "
+            "per model instance. Stops cleanly on Ctrl-C or SIGTERM, answering requests in "
+            "flight."
+        ),
+    )
+    serve.add_argument("artifact", metavar="ARTIFACT", help=".pt2, .pt or .onnx artifact")
+    serve.add_argument("--name", help="model name (default: the file's stem)")
+    add_deployment_options(serve)
+    serve.add_argument("--http-port", type=at_least(1), default=8000, help="(default 8000)")
+    serve.add_argument("--grpc-port", type=at_least(1), default=8001, help="(default 8001)")
+    serve.add_argument("--metrics-port", type=at_least(1), default=8002, help="(default 8002)")
+    serve.set_defaults(func=run_serve)
+
+    loadtest = subparsers.add_parser(
+        "loadtest",
+        help="time a served model at several concurrencies",
+        description=(
+            "Send REQUESTS requests (one image each, distinct images) at each concurrency "
+            "and print throughput and p50/p90/p99 latency; every answer is checked against "
+            "the answer the server gave the same image alone, so none is lost or mixed up."
+        ),
+    )
+    loadtest.add_argument("url", metavar="URL", help="host:port (HTTP) or grpc://host:port")
+    loadtest.add_argument("--model", help="model name (default: the server's only model)")
+    loadtest.add_argument(
+        "--concurrency",
+        type=_counts,
+        default=(1, 8, 32),
+        help="requests in flight, comma-separated (default 1,8,32)",
+    )
+    loadtest.add_argument(
+        "--requests", type=at_least(1), default=200, help="requests per concurrency (default 200)"
+    )
+    loadtest.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    loadtest.set_defaults(func=run_loadtest)
+
+
+def add_deployment_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--load-library",
+        action="append",
+        default=[],
+        metavar="LIB",
+        help="an operator library the artifact needs, loaded first (repeatable)",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=at_least(1),
+        help="most rows per server-side batch (default: the artifact's batch)",
+    )
+    parser.add_argument(
+        "--max-queue-delay-us",
+        type=at_least(0),
+        default=500,
+        help="longest wait for a batch to fill, in microseconds (default 500)",
+    )
+    parser.add_argument(
+        "--instances", type=at_least(1), default=1, help="model instances per device (default 1)"
+    )
+    parser.add_argument("--device", help="cpu, cuda or cuda:0,1 (default: the artifact's)")
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected e.g. 1,8,32; got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"concurrencies must be >= 1; got {text!r}")
+    return counts
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from bladesmith.serve import serve
+
+    serve(
+        args.artifact,
+        name=args.name,
+        libraries=tuple(args.load_library),
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        max_batch=args.max_batch,
+        max_queue_delay_us=args.max_queue_delay_us,
+        instances=args.instances,
+        device=args.device,
+    )
+    return 0
+
+
+def run_loadtest(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from bladesmith._files import write_atomically
+    from bladesmith.serve.loadtest import loadtest, render
+
+    rows = loadtest(args.url, args.model, concurrency=args.concurrency, requests=args.requests)
+    print(render(rows))
+    if args.json:
+        text = json.dumps([asdict(row) for row in rows], indent=2)
+        write_atomically(args.json, lambda temporary: temporary.write_text(text))
+    return 0 if all(row.failed == row.wrong == 0 for row in rows) else 1

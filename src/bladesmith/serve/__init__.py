@@ -1,0 +1,108 @@
+"""Serving bladesmith artifacts on Triton Inference Server.
+
+``serve(artifact)`` runs the server (the one bundled with ``nvidia-pytriton``) on a
+Python-backend repository of the artifact: dynamic batching into the artifact's batch,
+each model instance a process with its own runner. ``client(url, model)`` answers
+images with detections; ``loadtest`` times a server; ``write_repository`` writes a
+repository for a standalone server (``bladesmith export triton``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import threading
+import types
+from pathlib import Path
+
+from bladesmith.errors import BladesmithError
+from bladesmith.serve.client import Client, client
+from bladesmith.serve.repository import Deployment, write_repository
+from bladesmith.serve.server import Server
+
+__all__ = ["Client", "Deployment", "Server", "client", "serve", "write_repository"]
+
+
+def serve(
+    artifact: str | os.PathLike,
+    *,
+    name: str | None = None,
+    libraries: tuple[str | os.PathLike, ...] = (),
+    http_port: int = 8000,
+    grpc_port: int = 8001,
+    metrics_port: int = 8002,
+    max_batch: int | None = None,
+    max_queue_delay_us: int = 500,
+    instances: int = 1,
+    device: str | None = None,
+    block: bool = True,
+    log: str | os.PathLike | None = None,
+) -> Server | None:
+    """Serve ``artifact`` (``.pt2``, ``.pt`` or ``.onnx`` from ``bladesmith.save``) as
+    model ``name`` (default: the file's stem) on HTTP, gRPC and Prometheus-metrics ports.
+
+    Requests are batched dynamically up to ``max_batch`` rows (default: the artifact's
+    batch), waiting at most ``max_queue_delay_us`` for more, and run in buckets of the
+    artifact's batch (the last padded). ``instances`` model instances run side by side,
+    each in its own process; ``device`` is ``cpu``, ``cuda`` or ``cuda:0,1`` (default: the
+    artifact's). ``block``: serve until SIGINT/SIGTERM, then stop (requests in flight are
+    answered); else return the started ``Server`` (a context manager; ``stop()`` it).
+    """
+    # CPU instances split the cores between them (a GPU artifact's threads barely work).
+    threads = max(1, (os.cpu_count() or 1) // instances) if instances > 1 else 0
+    deployment = Deployment(max_batch, max_queue_delay_us, instances, device, threads)
+    workdir = tempfile.TemporaryDirectory(prefix="bladesmith-serve-")
+    repository = Path(workdir.name) / "models"
+    write_repository(
+        artifact,
+        repository,
+        name=name,
+        backend="python",
+        deployment=deployment,
+        libraries=tuple(libraries),
+        link=True,
+    )
+    server = Server(
+        repository,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        log=log,
+        owns=workdir,
+    )
+    server.start()
+    if not block:
+        return server
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        model = name or Path(artifact).stem
+        print(
+            f"serving {model}: http {server.url}, grpc {server.grpc_url}, "
+            f"metrics {server.metrics_url} (Ctrl-C or SIGTERM to stop)",
+            file=sys.stderr,
+            flush=True,
+        )
+        server.wait(stop)
+    finally:
+        code = server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not stop.is_set():
+        raise BladesmithError(f"serve: tritonserver exited on its own (code {code})")
+    return None
+
+
+class _CallablePackage(types.ModuleType):
+    """``bladesmith.serve`` is this package (imported as such by its submodules) and the
+    function: ``bladesmith.serve(artifact)`` calls ``serve``."""
+
+    def __call__(self, *args, **kwargs):
+        return serve(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

@@ -1,0 +1,127 @@
+"""A client for a served bladesmith model: images in, one answer per image out.
+
+    detect = bladesmith.client("localhost:8000", "retinanet")   # or grpc://localhost:8001
+    detections = detect(images)   # [{"boxes": ..., "scores": ..., "labels": ...}, ...]
+
+The model's inputs, outputs and maximum batch are read from the server; images are sent
+in batches of at most that many rows. A client is for one thread (tritonclient's HTTP
+client is not thread-safe): make one per thread for concurrent requests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bladesmith.errors import BladesmithError
+from bladesmith.families.base import DetectionFamily
+from bladesmith.serve.signature import INPUT_DTYPE
+
+
+class Client:
+    def __init__(self, url: str, model: str, *, timeout: float = 120.0):
+        self.url, self.model = url, model
+        self.grpc = url.startswith("grpc://")
+        address = url.removeprefix("grpc://").removeprefix("http://")
+        try:
+            if self.grpc:
+                import tritonclient.grpc as triton
+            else:
+                import tritonclient.http as triton
+        except ImportError:
+            raise BladesmithError(
+                "the client needs tritonclient: pip install 'bladesmith[serve]'"
+            ) from None
+        self._triton = triton
+        options = {"network_timeout": timeout} if not self.grpc else {}
+        self._client = triton.InferenceServerClient(address, **options)
+        self._timeout = timeout
+        metadata = self._call(self._client.get_model_metadata, model)
+        config = self._call(self._client.get_model_config, model)
+        if self.grpc:
+            metadata = {
+                "inputs": _grpc_tensors(metadata.inputs),
+                "outputs": _grpc_tensors(metadata.outputs),
+            }
+            config = {"max_batch_size": config.config.max_batch_size}
+        self.inputs = [
+            (t["name"], t["datatype"], [int(d) for d in t["shape"]]) for t in metadata["inputs"]
+        ]
+        self.outputs = [t["name"] for t in metadata["outputs"]]
+        self.max_batch = int(config.get("max_batch_size", 0))
+        self.detections = tuple(self.outputs) == DetectionFamily.output_names
+
+    def _call(self, method, *args, **kwargs):
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            return method(*args, **kwargs)
+        except InferenceServerException as error:
+            raise BladesmithError(f"{self.url} ({self.model}): {error.message()}") from None
+
+    def infer(self, *arrays: np.ndarray) -> dict[str, np.ndarray]:
+        """One request: the model's inputs (rows first) -> its outputs by name."""
+        if len(arrays) != len(self.inputs):
+            raise BladesmithError(
+                f"{self.model} takes {len(self.inputs)} inputs, got {len(arrays)}"
+            )
+        tensors = []
+        for (name, datatype, _), array in zip(self.inputs, arrays):
+            tensor = self._triton.InferInput(name, list(array.shape), datatype)
+            tensor.set_data_from_numpy(np.ascontiguousarray(array))
+            tensors.append(tensor)
+        requested = [self._triton.InferRequestedOutput(name) for name in self.outputs]
+        options = {"client_timeout": self._timeout} if self.grpc else {}
+        result = self._call(self._client.infer, self.model, tensors, outputs=requested, **options)
+        return {name: result.as_numpy(name) for name in self.outputs}
+
+    def __call__(self, images) -> list[dict]:
+        """Images (a batch [N, ...] or a list of [...] tensors/arrays) -> one dict per
+        image: detections' boxes, scores and labels (as torch tensors, padding cut),
+        else the model's outputs by name."""
+        import torch
+
+        rows = np.stack([_as_numpy(image) for image in images]).astype(INPUT_DTYPE)
+        step = self.max_batch or rows.shape[0]
+        answers = []
+        for start in range(0, rows.shape[0], step):
+            outputs = self.infer(rows[start : start + step])
+            for i in range(len(next(iter(outputs.values())))):
+                answers.append(
+                    {name: torch.from_numpy(value[i].copy()) for name, value in outputs.items()}
+                )
+        if self.detections:
+            answers = [_detections(answer) for answer in answers]
+        return answers
+
+    def ready(self) -> bool:
+        return bool(self._client.is_model_ready(self.model))
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def client(url: str, model: str, *, timeout: float = 120.0) -> Client:
+    """A client for ``model`` served at ``url`` (``host:port`` for HTTP,
+    ``grpc://host:port`` for gRPC); call it with images."""
+    return Client(url, model, timeout=timeout)
+
+
+def _detections(row: dict) -> dict:
+    count = int(row["num_detections"].reshape(-1)[0])
+    return {name: row[name][:count] for name in ("boxes", "scores", "labels")}
+
+
+def _as_numpy(image) -> np.ndarray:
+    if hasattr(image, "detach"):
+        return image.detach().cpu().numpy()
+    return np.asarray(image)
+
+
+def _grpc_tensors(tensors) -> list[dict]:
+    return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in tensors]

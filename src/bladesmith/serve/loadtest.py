@@ -1,0 +1,158 @@
+"""Load test a served model: throughput and latency percentiles per concurrency, with
+every answer checked.
+
+Each request carries one distinct random row. The answer to every row is first asked
+alone, one request at a time; under load, each answer must equal that one (within
+float tolerance: the server may batch the row with others), so an answer lost, failed or
+given to the wrong request is counted, not hidden in the timings.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from bladesmith.errors import BladesmithError
+from bladesmith.serve.client import Client
+
+DISTINCT_ROWS = 64  # rows cycled through; enough that a swapped answer shows
+
+
+@dataclass(frozen=True)
+class LoadRow:
+    concurrency: int
+    requests: int
+    answered: int  # answers that equal the reference
+    wrong: int  # answers that differ from the reference: mixed up or corrupted
+    failed: int  # errors and timeouts
+    seconds: float
+    throughput: float  # answered requests per second
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+
+
+def loadtest(
+    url: str,
+    model: str | None = None,
+    *,
+    concurrency: tuple[int, ...] = (1, 8, 32),
+    requests: int = 200,
+    seed: int = 0,
+) -> list[LoadRow]:
+    """Send ``requests`` one-row requests at each concurrency to ``model`` at ``url``."""
+    model = model or _only_model(url)
+    with Client(url, model) as probe:
+        rows = _distinct_rows(probe, min(requests, DISTINCT_ROWS), seed)
+        references = [probe.infer(*row) for row in rows]
+    return [_run(url, model, rows, references, level, requests) for level in concurrency]
+
+
+def _run(url, model, rows, references, concurrency: int, requests: int) -> LoadRow:
+    local = threading.local()
+    clients: list[Client] = []
+    lock = threading.Lock()
+
+    def send(index: int) -> tuple[str, float]:
+        if not hasattr(local, "client"):
+            local.client = Client(url, model)
+            with lock:
+                clients.append(local.client)
+        row = index % len(rows)
+        start = time.perf_counter()
+        try:
+            answer = local.client.infer(*rows[row])
+        except Exception:  # noqa: BLE001 - an error response, a timeout: counted as failed
+            return "failed", time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        return ("answered" if _same(answer, references[row]) else "wrong"), elapsed
+
+    try:
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(send, range(min(concurrency, requests))))  # connect and warm up
+            start = time.perf_counter()
+            results = list(pool.map(send, range(requests)))
+            seconds = time.perf_counter() - start
+    finally:
+        for client in clients:
+            client.close()
+    outcomes = [outcome for outcome, _ in results]
+    latencies = np.array([elapsed for _, elapsed in results]) * 1e3
+    p50, p90, p99 = np.percentile(latencies, [50, 90, 99])
+    answered = outcomes.count("answered")
+    return LoadRow(
+        concurrency=concurrency,
+        requests=requests,
+        answered=answered,
+        wrong=outcomes.count("wrong"),
+        failed=outcomes.count("failed"),
+        seconds=round(seconds, 3),
+        throughput=round(answered / seconds, 2),
+        p50_ms=round(float(p50), 2),
+        p90_ms=round(float(p90), 2),
+        p99_ms=round(float(p99), 2),
+    )
+
+
+def _distinct_rows(client: Client, count: int, seed: int) -> list[list[np.ndarray]]:
+    """``count`` requests of one random row each, in [0, 1) like images."""
+    generator = np.random.default_rng(seed)
+    requests = []
+    for _ in range(count):
+        arrays = []
+        for _, datatype, shape in client.inputs:
+            if datatype != "FP32":
+                raise BladesmithError(f"loadtest: input type {datatype} is not supported")
+            row = [1, *shape[1:]] if client.max_batch else shape
+            arrays.append(generator.random(row, dtype=np.float32))
+        requests.append(arrays)
+    return requests
+
+
+def _same(answer: dict, reference: dict) -> bool:
+    for name, expected in reference.items():
+        got = answer.get(name)
+        if got is None or got.shape != expected.shape:
+            return False
+        if np.issubdtype(expected.dtype, np.floating):
+            if not np.allclose(got, expected, rtol=1e-4, atol=1e-4):
+                return False
+        elif not np.array_equal(got, expected):
+            return False
+    return True
+
+
+def _only_model(url: str) -> str:
+    from tritonclient.http import InferenceServerClient
+
+    if url.startswith("grpc://"):
+        raise BladesmithError("loadtest: name the model (--model) when the URL is gRPC")
+    client = InferenceServerClient(url.removeprefix("http://"))
+    try:
+        models = [m["name"] for m in client.get_model_repository_index() if m.get("state")]
+    except Exception as error:  # noqa: BLE001 - unreachable server: say where
+        raise BladesmithError(f"loadtest: cannot reach {url}: {error}") from None
+    finally:
+        client.close()
+    if len(models) != 1:
+        raise BladesmithError(f"loadtest: {url} serves {models or 'no model'}; choose --model")
+    return models[0]
+
+
+def render(rows: list[LoadRow]) -> str:
+    header = (
+        f"{'concurrency':>11} {'requests':>8} {'answered':>8} {'wrong':>5} {'failed':>6} "
+        f"{'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}"
+    )
+    lines = [header]
+    for row in rows:
+        lines.append(
+            f"{row.concurrency:>11} {row.requests:>8} {row.answered:>8} {row.wrong:>5} "
+            f"{row.failed:>6} {row.throughput:>9.1f} {row.p50_ms:>8.2f} {row.p90_ms:>8.2f} "
+            f"{row.p99_ms:>8.2f}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""Triton Python-backend model for a bladesmith artifact (copied as ``model.py``).
+
+Each model instance is its own process with its own loaded artifact and runner: no
+buffer is shared between instances. The config's parameters name the artifact (beside
+this file), operator libraries to load first, and the torch threads per instance.
+Each request is answered on its own: a bad one gets an error response, the rest of its
+dynamic batch is still run.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        # The stub ignores PYTHONPATH: a server for this machine names bladesmith's source.
+        if parameters.get("bladesmith_source"):
+            sys.path.insert(0, parameters["bladesmith_source"])
+        import torch
+
+        import bladesmith
+        from bladesmith.serve.signature import BucketRunner
+
+        here = Path(args["model_repository"]) / args["model_version"]
+        for library in json.loads(parameters.get("libraries", "[]")):
+            torch.ops.load_library(str(here / library))
+        threads = int(parameters.get("torch_threads", "0"))
+        if threads > 0:
+            torch.set_num_threads(threads)
+        if args["model_instance_kind"] == "GPU":
+            torch.cuda.set_device(int(args["model_instance_device_id"]))
+        self.runner = BucketRunner(bladesmith.load(here / parameters["artifact"]))
+        self.input_names = [spec.name for spec in self.runner.signature.inputs]
+
+    def execute(self, requests):
+        arrays = [
+            [
+                pb_utils.get_input_tensor_by_name(request, name).as_numpy()
+                for name in self.input_names
+            ]
+            for request in requests
+        ]
+        responses = []
+        for answer in self.runner.answer(arrays):
+            if isinstance(answer, str):
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(answer)))
+            else:
+                tensors = [pb_utils.Tensor(name, value) for name, value in answer.items()]
+                responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+        return responses

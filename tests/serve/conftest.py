@@ -1,0 +1,29 @@
+"""Artifacts to serve, saved by the tests themselves."""
+
+from __future__ import annotations
+
+import pytest
+from serve_testing import optimized_net
+
+import bladesmith
+
+
+@pytest.fixture(scope="session")
+def net_artifacts(tmp_path_factory):
+    """The tiny net saved as TorchScript and ONNX: {suffix: path}."""
+    folder = tmp_path_factory.mktemp("net")
+    optimized = optimized_net()
+    return {
+        suffix: bladesmith.save(optimized, folder / f"net{suffix}") for suffix in (".pt", ".onnx")
+    }
+
+
+@pytest.fixture(scope="session")
+def detector_artifact(tmp_path_factory):
+    """torchvision's RetinaNet (ResNet-18 FPN, 128x160, random weights) as the fixed-shape
+    padded pipeline, saved as TorchScript; and its photograph."""
+    from engine_testing import optimized_tiny_detector
+
+    optimized, _, photos = optimized_tiny_detector()
+    path = bladesmith.save(optimized, tmp_path_factory.mktemp("detector") / "detector.pt")
+    return path, photos

@@ -1,0 +1,55 @@
+"""What the serving tests share: the tiny net and its reference weights, free loopback
+ports."""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+from torch import nn
+
+import bladesmith
+from bladesmith.config import Config
+
+QUICK = Config(warmup=0, iters=1)
+NET_BATCH = 4
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports nothing listens on now (bound together, so they differ)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for each in sockets:
+            each.bind(("127.0.0.1", 0))
+        return [each.getsockname()[1] for each in sockets]
+    finally:
+        for each in sockets:
+            each.close()
+
+
+class TinyNet(nn.Module):
+    """Two outputs of different dtypes and ranks: scores [B, 5] and the argmax [B]."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)
+        )
+
+    def forward(self, x):
+        scores = self.body(x)
+        return scores, scores.argmax(dim=1)
+
+
+def tiny_net() -> TinyNet:
+    """The same weights every time: the reference the served answers are checked against."""
+    torch.manual_seed(0)
+    return TinyNet().eval()
+
+
+def optimized_net():
+    x = torch.randn(NET_BATCH, 3, 8, 8)
+    optimized, _, _ = bladesmith.optimize(
+        tiny_net(), device="cpu", test_data=[(x,)], config=QUICK, passes=[]
+    )
+    return optimized

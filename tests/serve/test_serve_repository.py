@@ -1,0 +1,145 @@
+"""`bladesmith export triton`: repositories checked with Triton's own config definitions,
+and the Python-backend one served by the bundled tritonserver."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton (bladesmith[serve])")
+
+from serve_testing import NET_BATCH, free_ports, tiny_net  # noqa: E402
+
+import bladesmith  # noqa: E402
+from bladesmith.cli import main  # noqa: E402
+from bladesmith.errors import BladesmithError  # noqa: E402
+from bladesmith.serve.repository import signature_from_config, write_repository  # noqa: E402
+from bladesmith.serve.server import Server  # noqa: E402
+
+
+def config_of(model_dir):
+    return signature_from_config((model_dir / "config.pbtxt").read_text())
+
+
+def test_torchscript_repository_declares_the_models_real_tensors(net_artifacts, tmp_path):
+    from bladesmith import ops
+
+    path = net_artifacts[".pt"]
+    assert main(["export", "triton", str(path), str(tmp_path / "repo"), "--name", "net"]) == 0
+    model_dir = tmp_path / "repo" / "net"
+    config = config_of(model_dir)
+    scripted = torch.jit.load(str(model_dir / "1" / "model.pt"))  # what the backend runs
+    x = torch.zeros(NET_BATCH, 3, 8, 8)
+    outputs = scripted(x)
+    assert config.bucket == 0  # whole batches of the traced size
+    [image] = config.inputs
+    assert (image.name, image.dtype, image.dims) == ("INPUT__0", np.float32, tuple(x.shape))
+    assert [(o.name, o.dtype, o.dims) for o in config.outputs] == [
+        (f"OUTPUT__{i}", np.dtype(str(o.dtype).removeprefix("torch.")), tuple(o.shape))
+        for i, o in enumerate(outputs)
+    ]
+    library = model_dir / "1" / ops.library_path().rsplit("/", 1)[-1]
+    assert library.is_file()
+    readme = (tmp_path / "repo" / "README.md").read_text()
+    assert f"LD_PRELOAD={tmp_path / 'repo'}/net/1/{library.name} tritonserver" in readme
+    assert 'platform: "pytorch_libtorch"' in (model_dir / "config.pbtxt").read_text()
+
+
+def test_onnx_repository_declares_the_models_real_tensors(net_artifacts, tmp_path):
+    import onnxruntime
+
+    model_dir = write_repository(net_artifacts[".onnx"], tmp_path / "repo", name="net")
+    config = config_of(model_dir)
+    session = onnxruntime.InferenceSession(str(model_dir / "1" / "model.onnx"))
+    [image] = session.get_inputs()
+    x = np.zeros(image.shape, np.float32)
+    outputs = session.run(None, {image.name: x})
+    assert [(i.name, i.dtype, i.dims) for i in config.inputs] == [
+        (image.name, np.float32, tuple(image.shape))
+    ]
+    assert [(o.name, o.dtype, o.dims) for o in config.outputs] == [
+        (meta.name, value.dtype, value.shape) for meta, value in zip(session.get_outputs(), outputs)
+    ]
+
+
+def test_onnx_with_custom_operators_is_refused_with_what_to_do(tmp_path):
+    node = helper.make_node("Decode", ["x"], ["y"], domain="ai.onnx.contrib")
+    graph = helper.make_graph(
+        [node],
+        "custom",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    path = tmp_path / "custom.onnx"
+    onnx.save(helper.make_model(graph), str(path))
+    with pytest.raises(BladesmithError, match="--custom-ops standard"):
+        write_repository(path, tmp_path / "repo")
+    assert not (tmp_path / "repo" / "custom").exists()  # nothing half-written
+
+
+def test_export_errors_are_one_line_for_the_user(net_artifacts, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    assert main(["export", "triton", str(tmp_path / "missing.pt"), str(repo)]) == 1
+    assert "no file" in capsys.readouterr().err
+    assert main(["export", "triton", str(net_artifacts[".pt"]), str(repo)]) == 0
+    assert main(["export", "triton", str(net_artifacts[".pt"]), str(repo)]) == 1
+    assert "exists; choose another --name" in capsys.readouterr().err
+    code = main(["export", "triton", str(net_artifacts[".pt"]), str(repo), "--name", "gpu",
+                 "--device", "cuda"])  # fmt: skip
+    assert code == 1 and "was optimized for cpu" in capsys.readouterr().err
+
+
+def test_python_backend_repository_runs_on_the_bundled_tritonserver(net_artifacts, tmp_path):
+    import tritonclient.http as triton
+
+    model_dir = write_repository(
+        net_artifacts[".pt"], tmp_path / "repo", name="net", backend="python"
+    )
+    config = config_of(model_dir)
+    assert config.bucket == NET_BATCH  # max_batch_size: the artifact's batch by default
+    assert [o.dims for o in config.outputs] == [(5,), (1,)]
+    # A repository for another machine: the artifact is copied, not linked.
+    assert not (model_dir / "1" / "net.pt").is_symlink()
+    # The backend imports the installed bladesmith; this test's may be another checkout.
+    with open(model_dir / "config.pbtxt", "a") as config_file:
+        source = Path(bladesmith.__file__).parent.parent
+        config_file.write(
+            f'parameters: {{ key: "bladesmith_source" value: {{ string_value: "{source}" }} }}\n'
+        )
+    http, grpc, metrics = free_ports(3)
+    x = np.random.default_rng(0).standard_normal((3, 3, 8, 8), dtype=np.float32)
+    with Server(tmp_path / "repo", http_port=http, grpc_port=grpc, metrics_port=metrics,
+                log=tmp_path / "triton.log") as server:  # fmt: skip
+        client = triton.InferenceServerClient(server.url)
+        tensor = triton.InferInput("input_0", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        result = client.infer("net", [tensor])
+        client.close()
+    with torch.no_grad():
+        scores, best = tiny_net()(torch.from_numpy(x))
+    np.testing.assert_allclose(result.as_numpy("output_0"), scores.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(result.as_numpy("output_1")[:, 0], best.numpy())
+    assert not server.running()
+
+
+def test_a_bladesmith_artifact_loads_in_the_repository_as_written(net_artifacts, tmp_path):
+    """The copied artifact is the file bladesmith.load reads, in a new process too."""
+    import subprocess
+    import sys
+
+    model_dir = write_repository(net_artifacts[".onnx"], tmp_path / "repo", backend="python")
+    copied = model_dir / "1" / "net.onnx"
+    code = (
+        "import sys, torch, bladesmith; m = bladesmith.load(sys.argv[1]); "
+        "print(tuple(m(torch.zeros(4, 3, 8, 8))[0].shape))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(copied)], capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "(4, 5)"
+    assert bladesmith.load(copied).spec.input_shapes == ((NET_BATCH, 3, 8, 8),)

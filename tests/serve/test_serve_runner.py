@@ -1,0 +1,159 @@
+"""The runner each model instance owns: buckets, padding, per-request refusals, threads."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from serve_testing import NET_BATCH, QUICK, tiny_net
+
+import bladesmith
+from bladesmith.errors import BladesmithError
+from bladesmith.serve.signature import BucketRunner, signature_of
+from engine_testing import cuda
+
+
+def rows(count: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((count, 3, 8, 8), dtype=np.float32)
+
+
+def expected(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    with torch.no_grad():
+        scores, best = tiny_net()(torch.from_numpy(x))
+    return scores.numpy(), best.numpy()
+
+
+def test_signature_has_real_dtypes_fixed_rows_and_the_artifacts_batch(net_artifacts):
+    signature = signature_of(bladesmith.load(net_artifacts[".pt"]))
+    assert signature.bucket == NET_BATCH and not signature.detections
+    [image] = signature.inputs
+    assert (image.name, image.triton_dtype, image.dims) == ("input_0", "FP32", (3, 8, 8))
+    scores, best = signature.outputs
+    assert (scores.triton_dtype, scores.dims, scores.scalar) == ("FP32", (5,), False)
+    assert (best.triton_dtype, best.dims, best.scalar) == ("INT64", (1,), True)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".onnx"])
+def test_requests_are_cut_into_buckets_padded_and_given_back_their_own_rows(net_artifacts, suffix):
+    runner = BucketRunner(bladesmith.load(net_artifacts[suffix]))
+    requests = [rows(1, 1), rows(3, 2), rows(5, 3)]  # 9 rows: 3 buckets, the last padded
+    answers = runner.answer([[x] for x in requests])
+    for x, answer in zip(requests, answers):
+        scores, best = expected(x)
+        np.testing.assert_allclose(answer["output_0"], scores, rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(answer["output_1"], best.reshape(-1, 1))
+        assert answer["output_1"].dtype == np.int64
+
+
+def test_a_bad_request_is_refused_alone(net_artifacts):
+    runner = BucketRunner(bladesmith.load(net_artifacts[".pt"]))
+    good = rows(2, 4)
+    nan = rows(1, 5)
+    nan[0, 1, 2, 3] = np.nan
+    infinite = rows(1, 6)
+    infinite[0, 0, 0, 0] = np.inf
+    answers = runner.answer(
+        [
+            [good],
+            [nan],
+            [infinite],
+            [rows(1, 7)[:, :, :4]],  # wrong shape
+            [rows(1, 8).astype(np.float64)],  # wrong dtype
+            [rows(0, 9)],  # no rows
+            [],  # no input
+        ]
+    )
+    np.testing.assert_allclose(answers[0]["output_0"], expected(good)[0], rtol=1e-4, atol=1e-5)
+    assert "non-finite" in answers[1] and "non-finite" in answers[2]
+    assert "expected shape [N, 3, 8, 8], got [1, 3, 4, 8]" in answers[3]
+    assert "expected FP32, got float64" in answers[4]
+    assert "empty" in answers[5]
+    assert "expected 1 inputs, got 0" in answers[6]
+
+
+def test_a_failing_model_fails_its_batch_with_a_one_line_reason(net_artifacts):
+    def broken(x):
+        raise RuntimeError("kernel exploded\nwith a long second line")
+
+    runner = BucketRunner(bladesmith.load(net_artifacts[".pt"]))
+    runner.run = broken
+    assert (
+        runner.answer([[rows(1, 0)], [rows(2, 1)]])
+        == ["the model failed: RuntimeError: kernel exploded"] * 2
+    )
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".onnx"])
+def test_one_loaded_artifact_called_from_8_threads_gives_each_caller_its_answer(
+    net_artifacts, suffix
+):
+    loaded = bladesmith.load(net_artifacts[suffix])
+    inputs = [torch.from_numpy(rows(NET_BATCH, 100 + i)) for i in range(8)]
+    serial = [loaded(x)[0].clone() for x in inputs]
+    mismatches, errors = [], []
+    start = threading.Barrier(8)
+
+    def call(i: int) -> None:
+        try:
+            start.wait()
+            for _ in range(25):
+                scores, _ = loaded(inputs[i])
+                if not torch.allclose(scores, serial[i], rtol=1e-5, atol=1e-6):
+                    mismatches.append(i)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and not mismatches
+    assert len({tuple(s[0].tolist()) for s in serial}) == 8  # the answers do differ
+
+
+def test_outputs_without_a_batch_dimension_cannot_be_served(tmp_path):
+    from serve_testing import QUICK
+    from torch import nn
+
+    class Pooled(nn.Module):
+        def forward(self, x):
+            return x.mean(), x * 2
+
+    x = torch.randn(2, 3)
+    optimized, _, _ = bladesmith.optimize(
+        Pooled(), device="cpu", test_data=[(x,)], config=QUICK, passes=[]
+    )
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "pooled.pt"))
+    with pytest.raises(BladesmithError, match="output 'output_0' has shape \\[\\]"):
+        signature_of(loaded)
+
+
+def test_loadtest_counts_an_answer_given_to_another_request_as_wrong(net_artifacts):
+    from bladesmith.serve.loadtest import _same
+
+    runner = BucketRunner(bladesmith.load(net_artifacts[".pt"]))
+    first, second = runner.answer([[rows(1, 10)], [rows(1, 11)]])
+    assert _same(first, first) and not _same(second, first)
+    assert not _same({"output_0": first["output_0"]}, first)  # an output missing
+
+
+@cuda
+def test_on_a_gpu_each_runner_replays_its_own_cuda_graph(tmp_path):
+    from bladesmith.runtimes.cuda_graph import CudaGraphRunner
+
+    x = torch.randn(NET_BATCH, 3, 8, 8, device="cuda")
+    optimized, _, _ = bladesmith.optimize(
+        tiny_net().cuda(), device="cuda", test_data=[(x,)], config=QUICK, passes=[]
+    )
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt2"))
+    first, second = BucketRunner(loaded), BucketRunner(loaded)
+    assert isinstance(first.run, CudaGraphRunner) and first.run is not second.run
+    a, b = rows(3, 20), rows(6, 21)
+    for _ in range(3):  # interleaved: neither overwrites the other's buffers
+        answer_a, answer_b = first.answer([[a]])[0], second.answer([[b]])[0]
+        # TF32 convolutions on the GPU: within float32's loose tolerance.
+        np.testing.assert_allclose(answer_a["output_0"], expected(a)[0], rtol=1e-2, atol=1e-2)
+        np.testing.assert_allclose(answer_b["output_0"], expected(b)[0], rtol=1e-2, atol=1e-2)

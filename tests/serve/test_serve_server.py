@@ -1,0 +1,232 @@
+"""`bladesmith serve` on loopback: real Triton, real requests through tritonclient, bad
+requests answered with errors, clean shutdown. Everything started here is stopped here."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton (bladesmith[serve])")
+import tritonclient.http as triton  # noqa: E402
+from serve_testing import free_ports, tiny_net  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+import bladesmith  # noqa: E402
+from bladesmith.cli import main  # noqa: E402
+
+MAX_BATCH = 8
+STARTUP_S = 300
+
+
+def _environment() -> dict[str, str]:
+    source = str(Path(bladesmith.__file__).parent.parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([source, *sys.path])}
+
+
+def _wait_ready(port: int, process: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"bladesmith serve exited:\n{log.read_text()[-3000:]}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"not ready after {STARTUP_S} s:\n{log.read_text()[-3000:]}")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+@pytest.fixture
+def served_net(net_artifacts, tmp_path):
+    """`bladesmith serve net.pt` as a user runs it: (process, http port, metrics port)."""
+    http, grpc, metrics = free_ports(3)
+    log = tmp_path / "serve.log"
+    command = [
+        sys.executable, "-m", "bladesmith", "serve", str(net_artifacts[".pt"]),
+        "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+        "--max-batch", str(MAX_BATCH), "--max-queue-delay-us", "2000", "--instances", "2",
+    ]  # fmt: skip
+    with open(log, "wb") as output:
+        process = subprocess.Popen(
+            command, stdout=output, stderr=subprocess.STDOUT, env=_environment()
+        )
+    try:
+        _wait_ready(http, process, log)
+        yield process, http, metrics
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(90)
+            except subprocess.TimeoutExpired:
+                process.kill()  # its tritonserver gets SIGTERM when it dies
+                process.wait()
+
+
+def _request(client, x: np.ndarray, dtype: str = "FP32"):
+    tensor = triton.InferInput("input_0", list(x.shape), dtype)
+    tensor.set_data_from_numpy(x)
+    return client.infer("net", [tensor])
+
+
+def test_serve_answers_concurrent_requests_refuses_bad_ones_and_stops_cleanly(served_net, tmp_path):
+    process, http, metrics = served_net
+    url = f"127.0.0.1:{http}"
+    generator = np.random.default_rng(0)
+    requests = [
+        generator.standard_normal((1 + i % 3, 3, 8, 8), dtype=np.float32) for i in range(300)
+    ]
+    local = threading.local()
+    clients = []
+
+    def send(x):
+        if not hasattr(local, "client"):
+            local.client = triton.InferenceServerClient(url)
+            clients.append(local.client)
+        result = _request(local.client, x)
+        return result.as_numpy("output_0"), result.as_numpy("output_1")
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(send, requests))
+    for client in clients:
+        client.close()
+    reference = tiny_net()
+    for x, (scores, best) in zip(requests, answers):
+        with torch.no_grad():
+            expected_scores, expected_best = reference(torch.from_numpy(x))
+        np.testing.assert_allclose(scores, expected_scores.numpy(), rtol=1e-4, atol=1e-5)
+        assert best.dtype == np.int64 and best.shape == (len(x), 1)
+        np.testing.assert_array_equal(best[:, 0], expected_best.numpy())
+
+    client = triton.InferenceServerClient(url)
+    good = requests[0]
+    nan = good.copy()
+    nan[0, 0, 0, 0] = np.nan
+    bad = [
+        (good[:, :, :4], "unexpected shape"),
+        (good.astype(np.float64), "FP64"),
+        (np.zeros((MAX_BATCH + 1, 3, 8, 8), np.float32), "batch"),
+        (nan, "non-finite values"),
+    ]
+    for x, reason in bad:
+        dtype = "FP64" if x.dtype == np.float64 else "FP32"
+        with pytest.raises(InferenceServerException, match=reason):
+            _request(client, x, dtype)
+        assert client.is_server_ready() and client.is_model_ready("net")
+    empty = urllib.request.Request(f"http://{url}/v2/models/net/infer", data=b"", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(empty, timeout=10)
+    assert refused.value.code == 400
+    assert client.is_server_live() and client.is_server_ready()
+    np.testing.assert_allclose(
+        _request(client, good).as_numpy("output_0"), answers[0][0], rtol=1e-5, atol=1e-6
+    )
+    client.close()
+
+    report = tmp_path / "loadtest.json"
+    arguments = ["loadtest", url, "--concurrency", "1,8", "--requests", "40", "--json", str(report)]
+    assert main(arguments) == 0
+    rows = [
+        (r["concurrency"], r["answered"], r["wrong"], r["failed"])
+        for r in json.loads(report.read_text())
+    ]
+    assert rows == [(1, 40, 0, 0), (8, 40, 0, 0)]
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    success = next(
+        line for line in text.splitlines() if line.startswith("nv_inference_request_success")
+    )
+    assert float(success.split()[-1]) >= len(requests) + 1 + 40 * 2
+
+    servers = _children(process.pid)
+    assert servers, "no tritonserver child"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(90) == 0
+    for pid in servers:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in _state(pid)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"
+
+
+def test_serve_detector_answers_each_image_with_its_own_detections(detector_artifact):
+    from bladesmith.verify import compare_detections
+
+    path, photos = detector_artifact
+    http, grpc, metrics = free_ports(3)
+    loaded = bladesmith.load(path)
+    generator = torch.Generator().manual_seed(0)
+    images = [photos[0]] + [
+        (photos[0] + 0.2 * torch.rand(photos[0].shape, generator=generator)).clamp(0, 1)
+        for _ in range(3)
+    ]
+    server = bladesmith.serve(
+        path,
+        http_port=http,
+        grpc_port=grpc,
+        metrics_port=metrics,
+        instances=2,
+        block=False,
+    )
+    try:
+        detect = bladesmith.client(server.url, "detector")
+        assert detect.detections and detect.max_batch == 1
+        expected = [loaded([image])[0] for image in images]
+
+        def ask(image):  # a client per thread, as tritonclient's HTTP client needs
+            with bladesmith.client(server.url, "detector") as client:
+                return client([image])[0]
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, images))
+        for want, answer in zip(expected, got):
+            assert set(answer) == {"boxes", "scores", "labels"}
+            comparison = compare_detections([want], [answer])
+            assert comparison.passed, comparison.summary()
+        assert len({len(answer["scores"]) for answer in got} | {0}) > 1  # found something
+        with bladesmith.client(server.grpc_url, "detector") as over_grpc:
+            assert compare_detections(expected[:1], over_grpc(images[:1])).passed
+        detect.close()
+
+        # Shutdown while a request is in flight: it is answered first.
+        def late():
+            with bladesmith.client(server.url, "detector") as client:
+                return client(images[1:2])
+
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(late)
+            time.sleep(0.5)
+            assert server.stop() == 0
+            assert compare_detections(expected[1:2], pending.result(timeout=60)).passed
+    finally:
+        server.stop()
+
+
+def test_serve_says_in_one_line_what_is_wrong(tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "missing.pt2")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "missing.pt2" in err and len(err.splitlines()) == 1
