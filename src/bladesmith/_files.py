@@ -65,11 +65,11 @@ def unwritable(path: str | os.PathLike) -> str | None:
     path = Path(path)
     folder = path.parent
     if path.is_dir():
-        return "a folder: name a file in it"
+        return "is a folder: name a file in it"
     if not folder.is_dir():
         return f"the folder {str(folder)!r} does not exist (create it first)"
     if not os.access(folder, os.W_OK | os.X_OK):
-        return f"permission denied in {str(folder)!r}"
+        return f"{str(folder)!r} is not a writable folder (permission denied)"
     return None
 
 

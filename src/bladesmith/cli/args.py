@@ -78,11 +78,11 @@ def output_file(*suffixes: str):
 
         from bladesmith._files import unwritable
 
-        if suffixes and Path(text).suffix not in suffixes:
-            raise argparse.ArgumentTypeError(f"{text}: expected a {' or '.join(suffixes)} file")
         problem = unwritable(text)
         if problem:
             raise argparse.ArgumentTypeError(f"cannot write {text}: {problem}")
+        if suffixes and Path(text).suffix not in suffixes:
+            raise argparse.ArgumentTypeError(f"{text}: expected a {' or '.join(suffixes)} file")
         return text
 
     return parse
