@@ -35,6 +35,7 @@ def export(
     input_names: list[str] | None = None,
     output_names: list[str] | None = None,
     external_data: bool | None = None,
+    dynamic_axes: dict[str, dict[int, str]] | None = None,
 ) -> Path:
     """Export ``model`` called on ``args`` (a tensor or a tuple of them) to ``path``.
 
@@ -42,7 +43,9 @@ def export(
     run by ``bladesmith.onnx.session``; ``"standard"`` lowers them to standard ONNX
     operators with the same fixed-shape outputs, for any ONNX Runtime provider and
     TensorRT. Weights go to ``<path>.data`` when ``external_data`` is True, or when it
-    is None and they are too large for one protobuf (2 GiB). Returns ``path``.
+    is None and they are too large for one protobuf (2 GiB). ``dynamic_axes`` names the
+    dimensions left free, by input or output name (``{"input_0": {0: "batch"}}``, as
+    ``torch.onnx.export`` takes them). Returns ``path``.
     """
     from bladesmith import ops
 
@@ -56,7 +59,7 @@ def export(
     workdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         raw = workdir / "raw.onnx"
-        _torch_export(model, args, raw, opset, custom_ops, input_names, output_names)
+        _torch_export(model, args, raw, opset, custom_ops, input_names, output_names, dynamic_axes)
         _finish(raw, workdir / path.name, external_data)
         _move_into_place(workdir, path)
     finally:
@@ -64,7 +67,9 @@ def export(
     return path
 
 
-def _torch_export(model, args, raw: Path, opset, custom_ops, input_names, output_names):
+def _torch_export(
+    model, args, raw: Path, opset, custom_ops, input_names, output_names, dynamic_axes
+):
     custom_opsets = {symbolic.DOMAIN: symbolic.DOMAIN_VERSION} if custom_ops == "domain" else {}
     with symbolic.registered(custom_ops, opset), warnings.catch_warnings(), torch.no_grad():
         # The TorchScript exporter is chosen deliberately (see the module docstring).
@@ -78,6 +83,7 @@ def _torch_export(model, args, raw: Path, opset, custom_ops, input_names, output
                 opset_version=opset,
                 input_names=input_names,
                 output_names=output_names,
+                dynamic_axes=dynamic_axes,
                 custom_opsets=custom_opsets,
                 do_constant_folding=True,
             )
