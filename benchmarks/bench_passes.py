@@ -126,7 +126,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    from bladesmith.cli import input_size
+    from bladesmith.cli.args import input_size
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto")

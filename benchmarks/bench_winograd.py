@@ -81,7 +81,7 @@ def shapes_table(rounds: int) -> None:
 def conv_runs(x, weight, bias, nnpack: bool) -> dict:
     runs = {
         "onednn": lambda: F.conv2d(x, weight, bias, 1, 1),
-        "op": lambda: torch.ops.bladesmith_winograd.conv3x3(x, weight, bias, False),
+        "op": lambda: torch.ops.bladesmith.winograd_conv3x3(x, weight, bias, False),
     }
     if nnpack:
         runs["torch"] = lambda: torch._nnpack_spatial_convolution(x, weight, bias, [1, 1])

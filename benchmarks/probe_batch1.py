@@ -30,8 +30,8 @@ from bladesmith.config import Config
 from bladesmith.models.images import sample_images
 from bladesmith.models.retinanet import build_retinanet
 from bladesmith.passes import Candidate, Context
-from bladesmith.passes.cuda_graph import CudaGraphRunner
 from bladesmith.passes.registry import create_all
+from bladesmith.runtimes.cuda_graph import CudaGraphRunner
 
 parser = argparse.ArgumentParser()
 parser.add_argument("passes", help="comma-separated passes, applied in order")

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
 
 import pytest
 
-from bladesmith import checkup
-from bladesmith.checkup import DoctorResult, OpsStatus, Package, Pitfall, Tool, Toolchain
 from bladesmith.cli import main
 from bladesmith.devices import DeviceInfo
+from bladesmith.doctor import DoctorResult, OpsStatus, Package, Pitfall, Tool, Toolchain
+
+doctor_module = importlib.import_module("bladesmith.doctor")  # not bladesmith.doctor: the function
 
 
 def test_help_lists_the_subcommands(capsys):
@@ -96,7 +98,7 @@ def fake_result(*pitfalls: Pitfall) -> DoctorResult:
 def test_doctor_table_shows_every_section(monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "250")
     warning = Pitfall("no-ninja", "warning", "ninja is missing", "pip install ninja")
-    monkeypatch.setattr(checkup, "doctor", lambda site_dirs: fake_result(warning))
+    monkeypatch.setattr(doctor_module, "doctor", lambda site_dirs: fake_result(warning))
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     for text in (
@@ -117,10 +119,10 @@ def test_doctor_table_shows_every_section(monkeypatch, capsys):
 
 def test_doctor_exit_status_follows_errors_only(monkeypatch, capsys):
     error = Pitfall("torch-missing", "error", "torch is not installed", "install it")
-    monkeypatch.setattr(checkup, "doctor", lambda site_dirs: fake_result(error))
+    monkeypatch.setattr(doctor_module, "doctor", lambda site_dirs: fake_result(error))
     assert main(["doctor", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["pitfalls"][0]["id"] == "torch-missing"
-    monkeypatch.setattr(checkup, "doctor", lambda site_dirs: fake_result())
+    monkeypatch.setattr(doctor_module, "doctor", lambda site_dirs: fake_result())
     assert main(["doctor"]) == 0
     assert "No pitfalls found." in capsys.readouterr().out
 
@@ -133,7 +135,7 @@ def test_bare_command_prints_help_and_exits_2(capsys):
 def test_argument_types_name_what_they_expect():
     import argparse
 
-    from bladesmith.cli import at_least, input_size
+    from bladesmith.cli.args import at_least, input_size
 
     assert input_size("480x640") == (480, 640) and input_size("32X48") == (32, 48)
     for bad in ("480", "0x640", "axb"):

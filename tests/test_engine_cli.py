@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from bladesmith import engine_cli
 from bladesmith.cli import main
+from bladesmith.cli import optimize as optimize_cli
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_builtin_detector_gets_a_list_of_photographs():
     args = argparse.Namespace(
         model="torchvision:retinanet_resnet18_fpn", weights=None, batch=2, input_size=(96, 128)
     )
-    model, test_data = engine_cli._model_and_inputs(args)
+    model, test_data = optimize_cli._model_and_inputs(args)
     (images,) = test_data[0]
     assert type(model).__name__ == "RetinaNet" and not model.training
     assert len(images) == 2 and images[0].shape == (3, 96, 128)
@@ -89,9 +89,9 @@ def test_demo_on_cpu_times_fewer_runs_and_says_so(monkeypatch, capsys):
         seen["args"] = args
         return 0
 
-    monkeypatch.setattr(engine_cli, "run_optimize", fake_run_optimize)
+    monkeypatch.setattr(optimize_cli, "run_optimize", fake_run_optimize)
     assert main(["demo", "--device", "cpu"]) == 0
     args = seen["args"]
-    assert args.model == engine_cli.DEFAULT_MODEL and args.input_size == (480, 640)
-    assert (args.warmup, args.iters) == engine_cli.DEMO_CPU_TIMING
+    assert args.model == optimize_cli.DEFAULT_MODEL and args.input_size == (480, 640)
+    assert (args.warmup, args.iters) == optimize_cli.DEMO_CPU_TIMING
     assert "to keep the demo short" in capsys.readouterr().err

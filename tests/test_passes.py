@@ -12,12 +12,13 @@ import bladesmith
 from bladesmith.config import Config
 from bladesmith.passes import Candidate, Pass, registry
 from bladesmith.passes.channels_last import ChannelsLast
-from bladesmith.passes.cuda_graph import CudaGraph, CudaGraphRunner, _PackedOutputs
+from bladesmith.passes.cuda_graph import CudaGraph
 from bladesmith.passes.inductor import Inductor, compile_mode
 from bladesmith.passes.onnxruntime import OnnxRuntime
 from bladesmith.passes.precision import BFloat16, CastFloats, Float16
 from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
 from bladesmith.passes.torchscript import TorchScriptFreeze
+from bladesmith.runtimes.cuda_graph import CudaGraphRunner, _PackedOutputs
 from bladesmith.verify import compare_detections
 from engine_testing import (
     IMAGE_SIZE,

@@ -13,7 +13,6 @@ from bladesmith.bench import Timing
 from bladesmith.report import (
     PassRecord,
     Report,
-    _atomic_write,
     hardware_context,
     software_context,
 )
@@ -154,20 +153,6 @@ def test_save_chart_writes_a_png(tmp_path):
     assert os.listdir(path.parent) == ["latency.png"]
     Report().save_chart(tmp_path / "empty.png")
     assert (tmp_path / "empty.png").read_bytes().startswith(b"\x89PNG")
-
-
-def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
-    path = tmp_path / "report.json"
-    path.write_text("old")
-
-    def half_then_fail(stream):
-        stream.write(b"half")
-        raise RuntimeError("disk full")
-
-    with pytest.raises(RuntimeError, match="disk full"):
-        _atomic_write(path, half_then_fail)
-    assert path.read_text() == "old"
-    assert os.listdir(tmp_path) == ["report.json"]
 
 
 def test_software_context_lists_versions():

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,11 +22,13 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from bladesmith._files import write_atomically
 from bladesmith.bench import iter_tensors
+from bladesmith.devices import with_index
 from bladesmith.errors import BladesmithError
 from bladesmith.models.images import as_batch
-from bladesmith.passes.onnxruntime import cpu_runner, export_onnx
-from bladesmith.passes.torchscript import freeze, quiet_torchscript
+from bladesmith.runtimes.onnxruntime import cpu_runner, export_onnx
+from bladesmith.runtimes.torchscript import freeze, quiet_torchscript
 from bladesmith.spec import AOTI_SUFFIX, SAVE_FORMATS, TORCHSCRIPT_SUFFIX, Spec
 
 METADATA_KEY = "bladesmith"  # AOTInductor metadata key / TorchScript extra file stem
@@ -64,10 +65,7 @@ class OptimizedModule(nn.Module):
         super().__init__()
         self._run = run
         self.device = torch.device(device)
-        # The device with its index ("cuda" is the current GPU's), as tensors report it.
-        self._home = self.device
-        if self.device == torch.device("cuda") and torch.cuda.is_available():
-            self._home = torch.device("cuda", torch.cuda.current_device())
+        self._home = with_index(self.device)  # as tensors report it
         self.padded_detections = padded_detections
         self.output = output
         self.spec = spec
@@ -170,7 +168,7 @@ def save(optimized: OptimizedModule, path: str | os.PathLike, *, inductor_config
             **(inductor_configs or {}),
             "aot_inductor.metadata": {METADATA_KEY: json.dumps(metadata)},
         }
-        _write_atomically(
+        write_atomically(
             path,
             lambda temporary: torch._inductor.aoti_compile_and_package(
                 exported, package_path=str(temporary), inductor_configs=configs
@@ -180,11 +178,11 @@ def save(optimized: OptimizedModule, path: str | os.PathLike, *, inductor_config
         frozen = freeze(module, args)
         extra = {_TORCHSCRIPT_EXTRA: json.dumps(metadata)}
         with quiet_torchscript():
-            _write_atomically(
+            write_atomically(
                 path, lambda temporary: torch.jit.save(frozen, str(temporary), _extra_files=extra)
             )
     else:
-        _write_atomically(path, lambda temporary: _write_onnx(module, args, temporary, metadata))
+        write_atomically(path, lambda temporary: _write_onnx(module, args, temporary, metadata))
     return path
 
 
@@ -277,21 +275,3 @@ def _load_custom_ops() -> Exception | None:
     except (ImportError, OpsBuildError) as error:
         return error
     return None
-
-
-def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """``write(temporary)`` to a temporary file beside ``path`` (same suffix: some
-    writers check it), then rename it to ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
-    os.close(handle)
-    temporary = Path(name)
-    try:
-        write(temporary)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)  # mkstemp's 0600 -> what a new file gets
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise

@@ -64,6 +64,15 @@ def device_kind(device: str | torch.device) -> str:
     return _parse(device)[0]
 
 
+def with_index(device: str | torch.device) -> torch.device:
+    """ "cuda" -> "cuda:N", the current GPU (when there is one), as tensors name their
+    device, so that device checks compare equal; any other device as given."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def available_devices() -> list[DeviceInfo]:
     """Every usable device here, best first, the CPU always last."""
     return [*_cuda_devices(), *_directml_devices(), *_mps_devices(), _cpu_device()]

@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 from bladesmith.artifact import OptimizedModule
 from bladesmith.bench import Timing, measure
 from bladesmith.config import Config, check_level
-from bladesmith.devices import resolve_device
+from bladesmith.devices import resolve_device, with_index
 from bladesmith.passes import registry
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, PassSkipped
@@ -87,7 +87,7 @@ def optimize(
     """
     config = config or Config.current()
     level = check_level(level)
-    device = _indexed(resolve_device(device))
+    device = with_index(resolve_device(device))
     passes = list(passes) if passes is not None else registry.create_all()
     _check_pass_names(config, passes)
     progress = _Progress(config.progress if config.progress is not None else sys.stderr.isatty())
@@ -385,7 +385,7 @@ def _compare(reference: _Reference, outputs, dtype: torch.dtype, config: Config)
 def _working_copy(model, device: torch.device) -> tuple[nn.Module, dict]:
     """A private copy of ``model`` in eval mode on ``device``, and what it is."""
     if isinstance(model, (str, os.PathLike)):
-        module, kind = _load_model_file(model), None
+        module, kind = load_model_file(model), None
     elif isinstance(model, torch.export.ExportedProgram):
         module, kind = copy.deepcopy(model.module()), "torch.export program"
     elif isinstance(model, nn.Module):
@@ -417,9 +417,10 @@ def _working_copy(model, device: torch.device) -> tuple[nn.Module, dict]:
     return module, info
 
 
-def _load_model_file(path) -> nn.Module:
+def load_model_file(path) -> nn.Module:
+    """The module in a TorchScript (.pt) or torch.export (.pt2) file, on the CPU."""
     from bladesmith.errors import BladesmithError
-    from bladesmith.passes.torchscript import quiet_torchscript
+    from bladesmith.runtimes.torchscript import quiet_torchscript
 
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -436,8 +437,13 @@ def _load_model_file(path) -> nn.Module:
                 f"model: {path!r} is not a torch.export program ({_describe(error)}); "
                 "an AOTInductor package is already compiled: load it with bladesmith.load"
             ) from error
-    with quiet_torchscript():
-        return torch.jit.load(path, map_location="cpu")
+    try:
+        with quiet_torchscript():
+            return torch.jit.load(path, map_location="cpu")
+    except RuntimeError as error:
+        raise BladesmithError(
+            f"model: {path!r} is not a loadable TorchScript file ({_describe(error)})"
+        ) from error
 
 
 def _entries(test_data) -> list[tuple]:
@@ -447,13 +453,6 @@ def _entries(test_data) -> list[tuple]:
             "tuple of arguments, or the single argument (a detector's: its list of images)"
         )
     return [entry if isinstance(entry, tuple) else (entry,) for entry in test_data]
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """cuda -> cuda:N (the current one), so that device checks compare equal to tensors'."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _to(value, device: torch.device):

@@ -18,11 +18,11 @@ import math
 import numbers
 import os
 import platform
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from importlib import metadata
-from pathlib import Path
+
+from bladesmith._files import write_atomically
 
 STATUSES = ("kept", "rejected", "failed", "skipped")
 _STATUS_STYLE = {"kept": "green", "rejected": "yellow", "failed": "red", "skipped": "dim"}
@@ -148,7 +148,7 @@ class Report:
         """The report as JSON; also written to ``path`` when given (atomically)."""
         text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
         if path is not None:
-            _atomic_write(path, lambda stream: stream.write(text.encode()))
+            write_atomically(path, lambda temporary: temporary.write_bytes(text.encode()))
         return text
 
     def render(self, console=None) -> None:
@@ -256,7 +256,7 @@ class Report:
         axes.set_ylabel("latency, ms (mean; whiskers p50 to p99)")
         name = self.model_info.get("name", "model")
         axes.set_title(f"{name} on {self.hardware_context.get('device', '?')}: latency per pass")
-        _atomic_write(path, lambda stream: figure.savefig(stream, format="png", dpi=120))
+        write_atomically(path, lambda temporary: figure.savefig(temporary, format="png", dpi=120))
 
 
 def software_context() -> list[dict]:
@@ -295,11 +295,9 @@ def hardware_context(device=None) -> dict:
     """The device the report's timings ran on (the CPU when ``device`` is None)."""
     import torch
 
-    from bladesmith.devices import cpu_model
+    from bladesmith.devices import cpu_model, with_index
 
-    device = torch.device(device if device is not None else "cpu")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = with_index(device if device is not None else "cpu")
     context = {
         "device_type": {"cuda": "gpu"}.get(device.type, device.type),
         "device": str(device),
@@ -345,24 +343,6 @@ def _jsonable(value):
     if hasattr(value, "to_dict"):
         return _jsonable(value.to_dict())
     return str(value)
-
-
-def _atomic_write(path, write: Callable) -> None:
-    """Write through a temporary file beside ``path``, then rename: never half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            write(stream)
-        # mkstemp makes the file private (0600); give it the mode a new file would have.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
 
 
 def _ms(value: float | None) -> str:

@@ -388,7 +388,7 @@ def test_cli_rejects_an_unknown_model(tmp_path, capsys):
     from bladesmith.cli import main
 
     assert main(["export", "onnx", str(tmp_path / "none.pt"), str(tmp_path / "m.onnx")]) == 1
-    assert "torchvision:retinanet_resnet50_fpn or a TorchScript file" in capsys.readouterr().err
+    assert "neither a built-in model" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["export", "onnx", "x", "y.onnx", "--input-size", "480"])
     assert not list(tmp_path.iterdir())

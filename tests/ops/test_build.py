@@ -74,7 +74,7 @@ def test_environment_chooses_cuda(tmp_path, monkeypatch):
 def test_status_names_missing_tools(tmp_path, monkeypatch):
     monkeypatch.setenv("BLADESMITH_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(torch.utils.cpp_extension, "CUDA_HOME", str(tmp_path / "no-cuda"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
     assert "no C++ compiler" in build.status(cuda=False).detail
     detail = build.status(cuda=True).detail
     assert "no-such-compiler" in detail and "no nvcc" in detail

@@ -8,7 +8,8 @@ from torch import nn
 from torchvision.models import mobilenet_v3_small
 
 from bladesmith.passes import Candidate
-from bladesmith.passes.onnxruntime import OnnxRunnerPerShape, OnnxRuntime
+from bladesmith.passes.onnxruntime import OnnxRuntime
+from bladesmith.runtimes.onnxruntime import OnnxRunnerPerShape
 from engine_testing import context_for
 
 pytest.importorskip("onnxruntime")

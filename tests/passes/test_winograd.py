@@ -56,7 +56,7 @@ def test_conv3x3_matches_a_float64_convolution(shape, out_channels, relu, channe
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
     weight, bias = torch.randn(out_channels, shape[1], 3, 3), torch.randn(out_channels)
-    out = torch.ops.bladesmith_winograd.conv3x3(x, weight, bias, relu)
+    out = torch.ops.bladesmith.winograd_conv3x3(x, weight, bias, relu)
     expected = reference_conv(x, weight, bias, relu)
     assert out.shape == expected.shape and out.dtype == torch.float32
     assert out.is_contiguous(memory_format=torch.channels_last)
@@ -67,25 +67,25 @@ def test_conv3x3_matches_a_float64_convolution(shape, out_channels, relu, channe
 def test_kernel_is_transformed_again_after_a_change_in_place():
     torch.manual_seed(0)
     x, bias, weight = torch.randn(1, 8, 10, 12), torch.zeros(8), torch.randn(8, 8, 3, 3)
-    torch.ops.bladesmith_winograd.conv3x3(x, weight, bias, False)
+    torch.ops.bladesmith.winograd_conv3x3(x, weight, bias, False)
     weight.mul_(-1)  # the transform made on the first call is stale now
-    out = torch.ops.bladesmith_winograd.conv3x3(x, weight, bias, False)
+    out = torch.ops.bladesmith.winograd_conv3x3(x, weight, bias, False)
     torch.testing.assert_close(out, F.conv2d(x, weight, bias, padding=1), rtol=1e-4, atol=1e-4)
     other = torch.randn(8, 8, 3, 3)  # a new weight, maybe at a freed one's address
-    out = torch.ops.bladesmith_winograd.conv3x3(x, other, bias, False)
+    out = torch.ops.bladesmith.winograd_conv3x3(x, other, bias, False)
     torch.testing.assert_close(out, F.conv2d(x, other, bias, padding=1), rtol=1e-4, atol=1e-4)
 
 
 def test_conv3x3_refuses_other_dtypes_and_shapes():
     x, weight = torch.randn(1, 4, 5, 5), torch.randn(4, 4, 3, 3)
     with pytest.raises(TypeError, match="float32"):
-        torch.ops.bladesmith_winograd.conv3x3(x.double(), weight, torch.zeros(4), False)
+        torch.ops.bladesmith.winograd_conv3x3(x.double(), weight, torch.zeros(4), False)
     with pytest.raises(ValueError, match=r"expected a weight \[K, 5, 3, 3\]"):
-        torch.ops.bladesmith_winograd.conv3x3(
+        torch.ops.bladesmith.winograd_conv3x3(
             torch.randn(1, 5, 5, 5), weight, torch.zeros(4), False
         )
     with pytest.raises(ValueError, match="expected 4 bias values, got 3"):
-        torch.ops.bladesmith_winograd.conv3x3(x, weight, torch.zeros(3), False)
+        torch.ops.bladesmith.winograd_conv3x3(x, weight, torch.zeros(3), False)
 
 
 def conv_bn_relu_net() -> nn.Module:
@@ -161,12 +161,12 @@ def test_torchscript_runs_the_operator_and_exporters_see_a_convolution(winograd_
     context = context_for((x,))
     switched = Winograd().apply(Candidate(module=model, device=CPU), context)
     scripted = TorchScriptFreeze().apply(switched, context)
-    assert "bladesmith_winograd::conv3x3" in str(scripted.runner.graph)
+    assert "bladesmith::winograd_conv3x3" in str(scripted.runner.graph)
     with torch.no_grad():
         expected = model(x)
         torch.testing.assert_close(scripted(x), expected, rtol=1e-4, atol=1e-4)
         exported = torch.export.export(switched.module, (x,), strict=False)
-    assert "bladesmith_winograd" not in str(exported.graph)
+    assert "winograd_conv3x3" not in str(exported.graph)
     assert "conv2d" in str(exported.graph)
     session = OnnxRuntime().apply(switched, context)
     torch.testing.assert_close(session(x), expected, rtol=1e-4, atol=1e-4)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from bladesmith._files import move_into_place
 from bladesmith.errors import BladesmithError
 from bladesmith.onnx import symbolic
 
@@ -137,5 +138,5 @@ def _move_into_place(workdir: Path, path: Path) -> None:
     # External data first: the model file appears last, and never refers to missing data.
     data = workdir / f"{path.name}.data"
     if data.exists():
-        os.replace(data, path.parent / data.name)
-    os.replace(workdir / path.name, path)
+        move_into_place(data, path.parent / data.name)
+    move_into_place(workdir / path.name, path)

@@ -17,8 +17,6 @@ Steps, in order:
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from bladesmith._files import write_atomically
 from bladesmith.errors import BladesmithError
 from bladesmith.onnx.check import Finding, check, load_model
 from bladesmith.onnx.rules.graph import FLOAT_TYPES, GraphView, attribute
@@ -124,7 +123,7 @@ def fix(
             f"the fixed model's outputs differ from the original's ({verification.reason}); "
             f"nothing was written to {out_path}"
         )
-    _save_atomically(model, Path(out_path))
+    write_atomically(out_path, lambda temporary: onnx.save(model, str(temporary)))
     return FixResult(
         input_path=str(in_path),
         output_path=str(out_path),
@@ -456,15 +455,3 @@ def synthesise_inputs(
         else:
             feeds[graph_input.name] = rng.integers(0, 8, size=dims).astype(dtype)
     return feeds
-
-
-def _save_atomically(model: onnx.ModelProto, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(handle)
-    try:
-        onnx.save(model, temporary)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from bladesmith.errors import OpsBuildError
+from bladesmith.toolchain import compiler_name, cuda_home, nvcc_path
 
 NAME = "bladesmith_ops"
 CSRC = Path(__file__).parent / "csrc"
@@ -234,17 +235,8 @@ def _cpp_extension():
     return cpp_extension
 
 
-def _cuda_home() -> Path | None:
-    home = _cpp_extension().CUDA_HOME
-    return Path(home) if home else None
-
-
 def _nvcc() -> Path | None:
-    home = _cuda_home()
-    if home is None:
-        return None
-    nvcc = home / "bin" / ("nvcc.exe" if sys.platform == "win32" else "nvcc")
-    return nvcc if nvcc.is_file() else None
+    return nvcc_path(cuda_home())
 
 
 def _missing_tools(cuda: bool) -> list[str]:
@@ -252,7 +244,7 @@ def _missing_tools(cuda: bool) -> list[str]:
     import torch
 
     missing = []
-    compiler = "cl" if sys.platform == "win32" else os.environ.get("CXX", "c++")
+    compiler = compiler_name()
     if shutil.which(compiler) is None:
         missing.append(
             f"no C++ compiler: {compiler!r} is not on PATH (install g++ or clang++, or set CXX)"
@@ -265,12 +257,12 @@ def _missing_tools(cuda: bool) -> list[str]:
     if cuda:
         if torch.version.cuda is None:
             missing.append(f"torch {torch.__version__} was built without CUDA")
-        home = _cuda_home()
+        home = cuda_home()
         if _nvcc() is None:
             missing.append(f"no nvcc (CUDA_HOME={home}; set CUDA_HOME to the CUDA toolkit)")
-        elif not (home / "include" / "cuda_runtime.h").is_file():
+        elif not Path(home, "include", "cuda_runtime.h").is_file():
             missing.append(
-                f"no CUDA header {home / 'include' / 'cuda_runtime.h'} "
+                f"no CUDA header {Path(home, 'include', 'cuda_runtime.h')} "
                 "(set CUDA_HOME to the CUDA toolkit)"
             )
     return missing

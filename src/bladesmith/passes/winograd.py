@@ -4,7 +4,7 @@ Three quarters of a RetinaNet's FLOPs are 3x3 stride-1 convolutions, and oneDNN 
 them near this CPU's peak: only fewer multiplications make them faster. Winograd
 F(4x4, 3x3) computes a 4x4 output tile with 36 multiplications per channel pair instead
 of 144 (float32 error about 1e-5 relative). The operator
-``torch.ops.bladesmith_winograd.conv3x3`` (``ops/csrc/cpu/winograd_kernel.cpp``)
+``torch.ops.bladesmith.winograd_conv3x3`` (``ops/csrc/cpu/winograd_kernel.cpp``)
 transforms the input and output tiles itself and leaves the 36 products to oneDNN, as one
 grouped 1x1 convolution; it transforms each kernel once per process, and fuses the bias
 and a following ReLU.
@@ -62,7 +62,7 @@ class WinogradConv2d(nn.Module):
         if not _exporting() and x.dtype == torch.float32:
             # TorchScript's tracer makes shapes tensors: int() reads the value it records.
             if (int(x.shape[-2]), int(x.shape[-1])) in self.sizes:
-                return torch.ops.bladesmith_winograd.conv3x3(x, self.weight, self.bias, self.relu)
+                return torch.ops.bladesmith.winograd_conv3x3(x, self.weight, self.bias, self.relu)
         y = F.conv2d(x, self.weight, self.bias, 1, 1)
         return F.relu(y) if self.relu else y
 
@@ -154,7 +154,7 @@ def _time(out_channels: int, batch: int, channels: int, height: int, width: int)
     bias = torch.zeros(out_channels)
     runs = {
         "onednn": lambda: F.conv2d(x, weight, bias, 1, 1),
-        "winograd": lambda: torch.ops.bladesmith_winograd.conv3x3(x, weight, bias, False),
+        "winograd": lambda: torch.ops.bladesmith.winograd_conv3x3(x, weight, bias, False),
     }
     times = {name: [] for name in runs}
     with torch.no_grad():

@@ -60,6 +60,9 @@ TORCH_LIBRARY(bladesmith, m) {
   m.def(
       "conv2d_relu(Tensor x, Tensor weight, Tensor bias, Tensor? residual, int[2] stride, "
       "int[2] padding, int[2] dilation, int groups) -> Tensor");
+  // A 3x3 stride-1 padding-1 float32 convolution (+ ReLU) as Winograd F(4x4, 3x3), CPU
+  // only (cpu/winograd_kernel.cpp).
+  m.def("winograd_conv3x3(Tensor x, Tensor weight, Tensor bias, bool relu) -> Tensor");
 }
 
 // CompositeExplicitAutograd rather than CompositeImplicitAutograd: it serves every backend

@@ -1,4 +1,4 @@
-// bladesmith_winograd::conv3x3 on the CPU: a 3x3 stride-1 padding-1 convolution as
+// bladesmith::winograd_conv3x3 on the CPU: a 3x3 stride-1 padding-1 convolution as
 // Winograd F(4x4, 3x3) (Lavin and Gray, 2015), 36 multiplications per 4x4 output tile and
 // input-output channel pair instead of 144.
 //
@@ -245,19 +245,19 @@ at::Tensor conv3x3(const at::Tensor& input, const at::Tensor& weight, const at::
                    bool relu) {
   BLADESMITH_CHECK_TYPE(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
                             bias.scalar_type() == at::kFloat,
-                        "bladesmith_winograd::conv3x3 computes in float32, got ",
+                        "bladesmith::winograd_conv3x3 computes in float32, got ",
                         input.scalar_type(), ", ", weight.scalar_type(), " and ",
                         bias.scalar_type());
-  BLADESMITH_CHECK_VALUE(input.dim() == 4, "bladesmith_winograd::conv3x3: expected a 4-D input "
+  BLADESMITH_CHECK_VALUE(input.dim() == 4, "bladesmith::winograd_conv3x3: expected a 4-D input "
                          "[N, C, H, W], got shape ", input.sizes());
   const int64_t batch = input.size(0), channels = input.size(1);
   const int64_t height = input.size(2), width = input.size(3);
   BLADESMITH_CHECK_VALUE(weight.dim() == 4 && weight.size(1) == channels && weight.size(2) == 3 &&
                              weight.size(3) == 3,
-                         "bladesmith_winograd::conv3x3: expected a weight [K, ", channels,
+                         "bladesmith::winograd_conv3x3: expected a weight [K, ", channels,
                          ", 3, 3], got shape ", weight.sizes());
   const int64_t out_channels = weight.size(0);
-  BLADESMITH_CHECK_VALUE(bias.numel() == out_channels, "bladesmith_winograd::conv3x3: expected ",
+  BLADESMITH_CHECK_VALUE(bias.numel() == out_channels, "bladesmith::winograd_conv3x3: expected ",
                          out_channels, " bias values, got ", bias.numel());
   const int64_t rows = (height + kOut - 1) / kOut, cols = (width + kOut - 1) / kOut;
   const int64_t tiles = batch * rows * cols;
@@ -292,10 +292,6 @@ at::Tensor conv3x3(const at::Tensor& input, const at::Tensor& weight, const at::
 
 }  // namespace
 
-TORCH_LIBRARY(bladesmith_winograd, m) {
-  m.def("conv3x3(Tensor x, Tensor weight, Tensor bias, bool relu) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(bladesmith_winograd, CPU, m) { m.impl("conv3x3", &conv3x3); }
+TORCH_LIBRARY_IMPL(bladesmith, CPU, m) { m.impl("winograd_conv3x3", &conv3x3); }
 
 }  // namespace bladesmith

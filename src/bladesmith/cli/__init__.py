@@ -1,8 +1,9 @@
-"""The ``bladesmith`` command: one subcommand per job.
+"""The ``bladesmith`` command: one module of this package per command group.
 
-Each subcommand lives beside the code it drives, in a module with
-``add_parser(subparsers)`` that registers it and sets ``func(args) -> int``.
-Those modules import torch and friends inside ``func``, so ``--help`` stays fast.
+Each command module has ``add_parser(subparsers)``, which registers its commands and
+sets ``func(args) -> int``; it imports torch and friends inside ``func``, so that
+``--help`` stays fast. ``args`` holds the argument types they share, ``models`` the
+one loader of the models they take.
 """
 
 from __future__ import annotations
@@ -13,38 +14,12 @@ import sys
 
 # Order is the order of `bladesmith --help`.
 _COMMAND_MODULES = (
-    "bladesmith.engine_cli",
-    "bladesmith.checkup_cli",
-    "bladesmith.ops.cli",
+    "bladesmith.cli.optimize",
+    "bladesmith.cli.doctor",
+    "bladesmith.cli.ops",
     "bladesmith.onnx.check_cli",
-    "bladesmith.onnx.export_cli",
+    "bladesmith.cli.export",
 )
-
-
-def input_size(text: str) -> tuple[int, int]:
-    """argparse type for HxW, e.g. 480x640."""
-    try:
-        height, width = (int(side) for side in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected HxW, e.g. 480x640; got {text!r}") from None
-    if height <= 0 or width <= 0:
-        raise argparse.ArgumentTypeError(f"sides must be positive; got {text!r}")
-    return height, width
-
-
-def at_least(minimum: int):
-    """argparse type for an integer >= ``minimum``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer; got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}; got {text!r}")
-        return value
-
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,15 +17,14 @@ import importlib.metadata
 import os
 import platform
 import re
-import shutil
 import site
-import subprocess
 import sys
-import sysconfig
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from bladesmith.toolchain import Tool, find_compiler, find_ninja, find_nvcc
 
 if TYPE_CHECKING:
     from bladesmith.devices import DeviceInfo
@@ -62,14 +61,6 @@ class Pitfall:
 class Package:
     name: str
     version: str | None  # None: not installed
-    detail: str = ""
-
-
-@dataclass
-class Tool:
-    name: str
-    path: str | None  # None: not found
-    version: str | None
     detail: str = ""
 
 
@@ -327,78 +318,6 @@ def collect_toolchain(torch_cuda: str | None) -> Toolchain:
         nvcc_matches_torch=matches,
         ops=ops_status(),
     )
-
-
-def _tool_output(command: list[str]) -> str | None:
-    """What a tool prints about itself (stdout, then stderr), or None when it cannot run."""
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, errors="replace", timeout=30, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout + done.stderr
-
-
-def _first_line(text: str | None) -> str | None:
-    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    return lines[0] if lines else None
-
-
-def find_compiler() -> Tool:
-    # torch uses $CXX, else c++ (cl on Windows); other compilers found are named in detail.
-    wanted = os.environ.get("CXX") or ("cl" if _IS_WINDOWS else "c++")
-    path = shutil.which(wanted)
-    if path:
-        command = [path] if Path(path).stem.lower() == "cl" else [path, "--version"]
-        version = _first_line(_tool_output(command))
-        return Tool("C++ compiler", path, version, f"torch builds with {wanted}")
-    others = [name for name in ("c++", "g++", "clang++", "cl") if shutil.which(name)]
-    detail = f"torch builds with {wanted}, not on PATH"
-    if others:
-        detail += f"; found {', '.join(others)} (set CXX={others[0]})"
-    return Tool("C++ compiler", None, None, detail)
-
-
-def find_ninja() -> Tool:
-    path = shutil.which("ninja")
-    if path:
-        return Tool("ninja", path, _first_line(_tool_output([path, "--version"])))
-    # pip installs ninja into the environment's scripts directory, which is on PATH only
-    # while the environment is activated; torch looks for it on PATH.
-    scripts = Path(sysconfig.get_path("scripts"))
-    beside = scripts / ("ninja.exe" if _IS_WINDOWS else "ninja")
-    if beside.is_file():
-        return Tool("ninja", None, None, f"{beside} exists but {scripts} is not on PATH")
-    return Tool("ninja", None, None, "not on PATH")
-
-
-def cuda_home() -> str | None:
-    """CUDA_HOME as torch.utils.cpp_extension computes it."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home:
-        return home
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        return str(Path(nvcc).parent.parent)
-    if _IS_WINDOWS:
-        homes = sorted(Path("C:/Program Files/NVIDIA GPU Computing Toolkit/CUDA").glob("v*.*"))
-        return str(homes[0]) if homes else None
-    return "/usr/local/cuda" if Path("/usr/local/cuda").exists() else None
-
-
-def find_nvcc() -> Tool:
-    home = cuda_home()
-    if home is None:
-        return Tool("nvcc", None, None, "no CUDA toolkit (CUDA_HOME, PATH, /usr/local/cuda)")
-    nvcc = Path(home, "bin", "nvcc.exe" if _IS_WINDOWS else "nvcc")
-    if not nvcc.is_file():
-        return Tool("nvcc", None, None, f"CUDA_HOME={home} has no bin/{nvcc.name}")
-    text = _tool_output([str(nvcc), "--version"])
-    if text is None:
-        return Tool("nvcc", str(nvcc), None, "does not run")
-    version = re.search(r"V(\d+\.\d+(?:\.\d+)?)", text) or re.search(r"release (\d+\.\d+)", text)
-    return Tool("nvcc", str(nvcc), version[1] if version else None, f"CUDA_HOME={home}")
 
 
 def ops_status() -> OpsStatus:

@@ -12,14 +12,9 @@ from __future__ import annotations
 
 import argparse
 
-from bladesmith.cli import at_least, input_size
+from bladesmith.cli.args import at_least, input_size
+from bladesmith.cli.models import DEFAULT_MODEL, MODEL_HELP, model_or_file
 
-BUILTIN_MODELS = {
-    # name -> build_retinanet(backbone=...)
-    "torchvision:retinanet_resnet50_fpn": "resnet50",
-    "torchvision:retinanet_resnet18_fpn": "resnet18",  # same detector, a lighter backbone
-}
-DEFAULT_MODEL = "torchvision:retinanet_resnet50_fpn"
 DEFAULT_INPUT_SIZE = (480, 640)
 # A 2-core CPU takes seconds per call of the full detector: the demo times few runs there.
 DEMO_CPU_TIMING = (1, 3)
@@ -39,7 +34,7 @@ def add_parser(subparsers) -> None:
         "model",
         nargs="?",
         default=DEFAULT_MODEL,
-        help=f"{' or '.join(BUILTIN_MODELS)}, or a .pt/.pt2 file (default: {DEFAULT_MODEL})",
+        help=f"{MODEL_HELP} (default: {DEFAULT_MODEL})",
     )
     optimize.add_argument(
         "--weights", metavar="FILE", help="state dict for the built-in model (local file)"
@@ -178,35 +173,19 @@ def run_demo(args: argparse.Namespace) -> int:
 def _model_and_inputs(args: argparse.Namespace):
     """The model to optimize and its test data: photographs of --input-size, --batch of
     them (a list for the built-in detector, one batch tensor for a model file)."""
-    from pathlib import Path
-
-    from bladesmith.errors import BladesmithError
     from bladesmith.models.images import sample_images
-    from bladesmith.models.retinanet import build_retinanet
 
     images = sample_images(args.batch, args.input_size)
-    if args.model in BUILTIN_MODELS:
-        model = build_retinanet(
-            args.input_size, weights=args.weights, backbone=BUILTIN_MODELS[args.model]
-        )
-        return model, [(list(images),)]
-    if args.weights:
-        raise BladesmithError("--weights applies to the built-in models, not to model files")
-    if not Path(args.model).is_file():
-        raise BladesmithError(
-            f"model {args.model!r}: neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
-            "nor an existing .pt/.pt2 file"
-        )
-    return args.model, [(images,)]
+    model = model_or_file(args.model, args.input_size, args.weights)
+    return model, [(images,)] if isinstance(model, str) else [(list(images),)]
 
 
 def run_bench(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from rich.table import Table
 
-    from bladesmith.artifact import _write_atomically
+    from bladesmith._files import write_atomically
     from bladesmith.report import output_console
 
     measured = [_bench_one(path, args.warmup, args.iters) for path in args.artifacts]
@@ -238,7 +217,7 @@ def run_bench(args: argparse.Namespace) -> int:
     output_console().print(table)
     if args.json:
         text = json.dumps(rows, indent=2) + "\n"
-        _write_atomically(Path(args.json), lambda path: path.write_text(text))
+        write_atomically(args.json, lambda path: path.write_text(text))
     return 0
 
 

@@ -39,7 +39,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bladesmith.checkup import doctor
+    from bladesmith.doctor import doctor
 
     result = doctor(site_dirs=args.site_dir)
     if args.json:

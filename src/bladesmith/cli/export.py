@@ -1,4 +1,4 @@
-"""`bladesmith export onnx MODEL OUT`: a built-in model or a TorchScript file to ONNX.
+"""`bladesmith export onnx MODEL OUT`: a built-in model or a model file to ONNX.
 
     bladesmith export onnx torchvision:retinanet_resnet50_fpn retinanet.onnx \\
         --custom-ops standard --input-size 480x640 --batch 1
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 
-from bladesmith.cli import at_least, input_size
+from bladesmith.cli.args import at_least, input_size
+from bladesmith.cli.models import BUILTIN_MODELS, DEFAULT_MODEL, MODEL_HELP
 
-BUILTIN_RETINANET = "torchvision:retinanet_resnet50_fpn"
 DETECTION_OUTPUTS = ["boxes", "scores", "labels", "num_detections"]
 
 
@@ -25,15 +25,13 @@ def add_parser(subparsers) -> None:
         "onnx",
         help="export to ONNX, the bladesmith operators as custom nodes or standard ONNX",
         description=(
-            f"Export MODEL ({BUILTIN_RETINANET}, or a TorchScript file taking one image "
-            "batch [N, 3, H, W] in [0, 1]) to the ONNX file OUT, checked with ONNX's "
+            f"Export MODEL ({DEFAULT_MODEL}, or a TorchScript/torch.export file taking one "
+            "image batch [N, 3, H, W] in [0, 1]) to the ONNX file OUT, checked with ONNX's "
             "full checker. The built-in RetinaNet has random weights unless --weights "
             "names a local state-dict file."
         ),
     )
-    parser.add_argument(
-        "model", metavar="MODEL", help=f"{BUILTIN_RETINANET} or a TorchScript .pt file"
-    )
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("output", metavar="OUT", help="the .onnx file to write")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
     parser.add_argument(
@@ -94,30 +92,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load_model(args):
-    from pathlib import Path
+    from bladesmith.cli.models import load_model
 
-    from bladesmith.errors import BladesmithError
+    model = load_model(args.model, args.input_size, args.weights, args.num_classes)
+    if args.model not in BUILTIN_MODELS:
+        return model, None
+    from bladesmith.models.retinanet import RetinaNetPipeline
 
-    if args.model == BUILTIN_RETINANET:
-        from bladesmith.models.retinanet import RetinaNetPipeline, build_retinanet
-
-        model = build_retinanet(
-            image_size=args.input_size, weights=args.weights, num_classes=args.num_classes
-        )
-        return RetinaNetPipeline(model, args.input_size).eval(), DETECTION_OUTPUTS
-    if args.weights is not None:
-        raise BladesmithError("--weights applies to the built-in model only")
-    path = Path(args.model)
-    if not path.is_file():
-        raise BladesmithError(
-            f"MODEL: expected {BUILTIN_RETINANET} or a TorchScript file; {path} does not exist"
-        )
-    import torch
-
-    from bladesmith import ops
-
-    ops.load_library()  # a TorchScript file that calls the operators needs them to load
-    try:
-        return torch.jit.load(str(path), map_location="cpu").eval(), None
-    except RuntimeError as error:
-        raise BladesmithError(f"{path} is not a loadable TorchScript file: {error}") from error
+    return RetinaNetPipeline(model, args.input_size).eval(), DETECTION_OUTPUTS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.metadata
 import json
 import os
@@ -16,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bladesmith import checkup
-from bladesmith.checkup import (
+from bladesmith.doctor import (
     OpsStatus,
     Tool,
     Toolchain,
@@ -29,6 +29,8 @@ from bladesmith.checkup import (
     check_torch_torchvision,
     find_binary_pth_files,
 )
+
+doctor_module = importlib.import_module("bladesmith.doctor")  # not bladesmith.doctor: the function
 
 posix_only = pytest.mark.skipif(os.name == "nt", reason="uses a POSIX venv layout and shell")
 
@@ -83,7 +85,7 @@ def test_only_non_text_pth_files_are_flagged(tmp_path):
 
 
 def test_site_directories_include_this_environments_site_packages():
-    directories = checkup.site_directories()
+    directories = doctor_module.site_directories()
     assert Path(sysconfig.get_path("purelib")) in directories
     assert len(directories) == len(set(directories))
 
@@ -140,11 +142,11 @@ def test_torch_missing_or_too_old():
 def test_installed_packages_match_what_python_imports():
     import torchvision
 
-    packages = checkup.installed_packages()
+    packages = doctor_module.installed_packages()
     assert packages["torch"] == torch.__version__
     assert packages["torchvision"] == torchvision.__version__
     assert packages["onnx"] == importlib.metadata.version("onnx")
-    assert all(name == checkup.normalize_name(name) for name in packages)
+    assert all(name == doctor_module.normalize_name(name) for name in packages)
 
 
 @pytest.mark.parametrize(
@@ -172,16 +174,16 @@ def test_nvcc_is_found_through_cuda_home_and_its_version_parsed(tmp_path, monkey
     )
     nvcc.chmod(0o755)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
-    toolchain = checkup.collect_toolchain(torch_cuda="13.0")
+    toolchain = doctor_module.collect_toolchain(torch_cuda="13.0")
     assert (toolchain.nvcc.path, toolchain.nvcc.version) == (str(nvcc), "12.8.93")
     assert (toolchain.nvcc_cuda, toolchain.nvcc_matches_torch) == ("12.8", False)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "nowhere"))
-    assert "has no bin/nvcc" in checkup.find_nvcc().detail
+    assert "has no bin/nvcc" in doctor_module.find_nvcc().detail
 
 
 def test_compiler_named_by_cxx_must_exist(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler++")
-    compiler = checkup.find_compiler()
+    compiler = doctor_module.find_compiler()
     assert compiler.path is None
     assert "torch builds with no-such-compiler++, not on PATH" in compiler.detail
 
@@ -228,27 +230,27 @@ def build_module(monkeypatch, **attributes) -> None:
 def test_ops_status_reports_what_the_build_module_says(monkeypatch):
     found = types.SimpleNamespace(built=True, path="/cache/ops.so", loadable=False, detail="why")
     build_module(monkeypatch, status=lambda: found)
-    assert checkup.ops_status() == OpsStatus(True, True, "/cache/ops.so", False, "why")
+    assert doctor_module.ops_status() == OpsStatus(True, True, "/cache/ops.so", False, "why")
 
 
 def test_ops_status_without_a_usable_build_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "bladesmith.ops.build", None)
-    assert checkup.ops_status().detail == "ops build module not available"
+    assert doctor_module.ops_status().detail == "ops build module not available"
     build_module(monkeypatch)
-    assert not checkup.ops_status().available
+    assert not doctor_module.ops_status().available
 
     def broken():
         raise RuntimeError("cache unreadable")
 
     build_module(monkeypatch, status=broken)
-    assert checkup.ops_status().detail == "status() failed: RuntimeError: cache unreadable"
+    assert doctor_module.ops_status().detail == "status() failed: RuntimeError: cache unreadable"
 
 
 def test_doctor_reports_this_machine(tmp_path):
     import onnxruntime
 
     (tmp_path / "model.pth").write_bytes(b"PK\x03\x04\x80\x00binary")
-    result = checkup.doctor(site_dirs=[tmp_path])
+    result = doctor_module.doctor(site_dirs=[tmp_path])
     report = json.loads(json.dumps(result.to_dict()))
     versions = {package["name"]: package["version"] for package in report["packages"]}
     assert versions["torch"] == torch.__version__
@@ -258,21 +260,21 @@ def test_doctor_reports_this_machine(tmp_path):
     assert report["toolchain"]["torch_cuda"] == torch.version.cuda
     flagged = [p for p in report["pitfalls"] if p["id"] == "binary-pth"]
     assert [str(tmp_path / "model.pth") in p["message"] for p in flagged] == [True]
-    severities = [checkup.SEVERITIES.index(p["severity"]) for p in report["pitfalls"]]
+    severities = [doctor_module.SEVERITIES.index(p["severity"]) for p in report["pitfalls"]]
     assert severities == sorted(severities)
     assert result.errors == [p for p in result.pitfalls if p.severity == "error"]
 
 
 def test_directml_pitfall_names_the_torch_it_pins():
     packages = {"torch": "2.11.0+cu130", "torch-directml": "0.2.5.dev240914"}
-    pitfall = checkup.directml_pitfall(
+    pitfall = doctor_module.directml_pitfall(
         packages, "torch-directml fails to import: DLL load failed", ["torch==2.4.1", "numpy"]
     )
     assert (pitfall.id, pitfall.severity) == ("directml-unusable", "warning")
     assert pitfall.message.endswith("DLL load failed; torch-directml requires torch 2.4.1")
     assert "older than bladesmith supports" in pitfall.fix
     assert "pip install onnxruntime-directml" in pitfall.fix
-    unpinned = checkup.directml_pitfall(packages, "no device", [])
+    unpinned = doctor_module.directml_pitfall(packages, "no device", [])
     assert unpinned.message == "DirectML is not usable: no device"
 
 
@@ -280,9 +282,9 @@ def test_doctor_reports_directml_that_finds_no_device(monkeypatch):
     fake = types.ModuleType("torch_directml")
     fake.device_count = lambda: 0
     monkeypatch.setitem(sys.modules, "torch_directml", fake)
-    packages = {**checkup.installed_packages(), "torch-directml": "0.2.5.dev240914"}
-    monkeypatch.setattr(checkup, "installed_packages", lambda: packages)
-    result = checkup.doctor()
+    packages = {**doctor_module.installed_packages(), "torch-directml": "0.2.5.dev240914"}
+    monkeypatch.setattr(doctor_module, "installed_packages", lambda: packages)
+    result = doctor_module.doctor()
     [pitfall] = [p for p in result.pitfalls if p.id == "directml-unusable"]
     assert "finds no DirectML device" in pitfall.message
     assert {"name": "torch-directml", "version": "0.2.5.dev240914", "detail": ""} in [
