@@ -144,6 +144,10 @@ class Report:
             model_sdk=dict(data.get("model_sdk") or {}),
         )
 
+    def __str__(self) -> str:
+        """The JSON report, as PAI-Blade's ``print(report)`` shows it."""
+        return self.to_json()
+
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         """The report as JSON; also written to ``path`` when given (atomically)."""
         text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
