@@ -29,9 +29,10 @@ import torch
 
 import bladesmith
 from bladesmith.bench import measure
+from bladesmith.engine.reference import reference_under_noise
 from bladesmith.models.images import sample_images
 from bladesmith.models.retinanet import build_retinanet
-from bladesmith.verify import compare_detections, reference_under_noise
+from bladesmith.verify import compare_detections
 
 
 def main() -> None:

@@ -419,7 +419,7 @@ def test_a_finisher_rejected_at_its_turn_leaves_the_result_timed_without_it():
 
 
 def test_a_speedup_just_under_the_bar_is_not_shown_as_reaching_it():
-    from bladesmith.engine import _below_bar
+    from bladesmith.engine.search import _below_bar
 
     assert _below_bar(1.0297) == "1.02x"
     assert _below_bar(0.961) == "0.96x"
@@ -468,7 +468,7 @@ class Drops(Pass):
 
 @pytest.mark.parametrize(("box", "kept"), [(0, True), (5, False)])
 def test_detections_that_rounding_noise_flips_are_not_held_against_a_pass(box, kept):
-    from bladesmith.verify import reference_under_noise
+    from bladesmith.engine.reference import reference_under_noise
 
     x = torch.tensor([[1.0, 1.0 - 1e-5]])
     model = Borderline()

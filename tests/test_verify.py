@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from bladesmith.engine.reference import reference_under_noise
 from bladesmith.verify import (
     Comparison,
     Tolerance,
@@ -13,7 +14,6 @@ from bladesmith.verify import (
     compare_tensors,
     default_tolerance,
     detection_score_tolerance,
-    reference_under_noise,
 )
 
 

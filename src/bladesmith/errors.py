@@ -11,3 +11,12 @@ class DeviceUnavailableError(BladesmithError, RuntimeError):
 
 class OpsBuildError(BladesmithError, RuntimeError):
     """The custom-operator library could not be built or loaded; names the missing tool."""
+
+
+_MAX_ERROR_CHARS = 400
+
+
+def describe(error: BaseException) -> str:
+    """One line for a report: the error's type and message, cut at 400 characters."""
+    text = f"{type(error).__name__}: {error}".strip()
+    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."

@@ -8,7 +8,7 @@ import check_models as models
 import pytest
 
 from bladesmith.errors import BladesmithError
-from bladesmith.onnx.check import check, has_errors
+from bladesmith.onnx.checker import check, has_errors
 from bladesmith.onnx.rules.operators import operator_list
 from bladesmith.onnx.targets import TARGETS, UnknownTargetError, resolve_targets
 

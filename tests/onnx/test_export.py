@@ -338,7 +338,7 @@ def test_export_of_a_plain_module_needs_no_custom_domain(tmp_path):
 
 
 def test_public_names_are_the_functions():
-    import bladesmith.onnx.export as export_module  # noqa: F401  binds the submodule
+    import bladesmith.onnx.exporter as export_module  # noqa: F401  binds the submodule
 
     assert bladesmith.onnx.export is export
     assert callable(bladesmith.onnx.check) and callable(bladesmith.onnx.fix)

@@ -12,9 +12,9 @@ import onnxruntime as ort
 import pytest
 
 from bladesmith.errors import BladesmithError
-from bladesmith.onnx.fix import FixError, fix
+from bladesmith.onnx.fixer import FixError, fix
 
-fix_module = importlib.import_module("bladesmith.onnx.fix")
+fix_module = importlib.import_module("bladesmith.onnx.fixer")
 
 
 def run(model_or_path, feeds):

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from bladesmith.models.images import sample_images
-    from bladesmith.onnx.export import export
+    from bladesmith.onnx.exporter import export
 
     model, output_names = _load_model(args)
     images = sample_images(args.batch, args.input_size)

@@ -4,23 +4,23 @@
     session = bladesmith.onnx.session("model.onnx", device="auto")
     boxes, scores, labels, num_detections = session(images)
 
-Names are imported on first use, so that importing this package stays cheap.
+Names are imported on first use, so that importing this package stays cheap. No module
+here is named like a function it exports (``exporter`` defines ``export``, ``checker``
+``check``, ``fixer`` ``fix``): importing a module never hides the function.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 
 # public name -> (module, attribute)
 _EXPORTS = {
-    "export": ("bladesmith.onnx.export", "export"),
+    "export": ("bladesmith.onnx.exporter", "export"),
     "session": ("bladesmith.onnx.runtime", "session"),
     "Session": ("bladesmith.onnx.runtime", "Session"),
     "plan_providers": ("bladesmith.onnx.runtime", "plan_providers"),
-    "check": ("bladesmith.onnx.check", "check"),
-    "fix": ("bladesmith.onnx.fix", "fix"),
+    "check": ("bladesmith.onnx.checker", "check"),
+    "fix": ("bladesmith.onnx.fixer", "fix"),
 }
 
 __all__ = list(_EXPORTS)
@@ -38,14 +38,3 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(__all__)
-
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name, value):
-        # The import system binds each submodule to its package as it loads it, and
-        # export.py, check.py and fix.py share their function's name: keep the function.
-        if not (name in _EXPORTS and isinstance(value, types.ModuleType)):
-            super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -62,7 +62,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_check(args) -> int:
-    from bladesmith.onnx.check import check, has_errors
+    from bladesmith.onnx.checker import check, has_errors
 
     findings = check(args.model, args.target)
     if args.json:
@@ -75,7 +75,7 @@ def _run_check(args) -> int:
 
 
 def _run_fix(args) -> int:
-    from bladesmith.onnx.fix import fix
+    from bladesmith.onnx.fixer import fix
 
     result = fix(
         args.model,

@@ -1,27 +1,42 @@
-"""bladesmith's passes, one module each; importing this package registers them.
+"""bladesmith's passes: transforms of a candidate, one module each, run in ``ORDER``.
 
-The import order below is the order passes run in: adapt the model first (fixed
-shapes, the head over all levels at once), then change its arithmetic (precision,
-convolution algorithm, memory format), then build what runs it (Inductor and a CUDA
-graph on the GPU; TorchScript or ONNX Runtime on the CPU).
+Adapt the model first (fixed shapes, the head over all levels at once), then change its
+arithmetic (precision, convolution algorithm, memory format), then build what runs it
+(Inductor and a CUDA graph on the GPU; TorchScript or ONNX Runtime on the CPU).
 """
 
-# isort: off
-from bladesmith.passes import retinanet_adapter  # noqa: F401
-from bladesmith.passes import head_packing  # noqa: F401
-from bladesmith.passes import precision  # noqa: F401
-from bladesmith.passes import winograd  # noqa: F401
-from bladesmith.passes import norm_folding  # noqa: F401
-from bladesmith.passes import channels_last  # noqa: F401
-from bladesmith.passes import conv_fusion  # noqa: F401
-from bladesmith.passes import channel_padding  # noqa: F401
-from bladesmith.passes import inductor  # noqa: F401
-from bladesmith.passes import cuda_graph  # noqa: F401
-from bladesmith.passes import torchscript  # noqa: F401
-from bladesmith.passes import onnxruntime  # noqa: F401
-
-# isort: on
 from bladesmith.passes.candidate import Candidate
+from bladesmith.passes.channel_padding import ChannelPadding
+from bladesmith.passes.channels_last import ChannelsLast
+from bladesmith.passes.conv_fusion import ConvFusion
+from bladesmith.passes.cuda_graph import CudaGraph
+from bladesmith.passes.head_packing import HeadPacking
+from bladesmith.passes.inductor import Inductor
+from bladesmith.passes.norm_folding import NormFolding
+from bladesmith.passes.onnxruntime import OnnxRuntime
+from bladesmith.passes.precision import BFloat16, Float16
 from bladesmith.passes.registry import Context, Pass, PassSkipped, names, register
+from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
+from bladesmith.passes.torchscript import TorchScriptFreeze
+from bladesmith.passes.winograd import Winograd
 
-__all__ = ["Candidate", "Context", "Pass", "PassSkipped", "names", "register"]
+# The order the built-in passes run in (module rewrites first, then what builds a runner).
+ORDER = (
+    RetinaNetAdapter,
+    HeadPacking,
+    Float16,
+    BFloat16,
+    Winograd,
+    NormFolding,
+    ChannelsLast,
+    ConvFusion,
+    ChannelPadding,
+    Inductor,
+    CudaGraph,
+    TorchScriptFreeze,
+    OnnxRuntime,
+)
+for _pass in ORDER:
+    register(_pass)
+
+__all__ = ["ORDER", "Candidate", "Context", "Pass", "PassSkipped", "names", "register"]

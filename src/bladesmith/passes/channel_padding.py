@@ -25,7 +25,7 @@ from torch import nn
 
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.conv_fusion import FusedConv2dReLU, FusedResidualBlock
-from bladesmith.passes.registry import Context, Pass, register
+from bladesmith.passes.registry import Context, Pass
 
 IMAGE_CHANNELS = 4  # what cuDNN's first-layer kernels read: 3 colours and a zero
 OUTPUT_MULTIPLE = 8
@@ -110,7 +110,6 @@ def pad(module: nn.Module) -> list[str]:
     return padded
 
 
-@register
 class ChannelPadding(Pass):
     """Convolution channels zero-padded to what cuDNN's kernels take (4 in for an image,
     multiples of 8 out), so it pads no copy on every call."""

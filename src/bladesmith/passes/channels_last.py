@@ -9,10 +9,9 @@ import torch
 from torch import nn
 
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass, register
+from bladesmith.passes.registry import Context, Pass
 
 
-@register
 class ChannelsLast(Pass):
     """Convolution weights in channels_last (NHWC) memory format."""
 

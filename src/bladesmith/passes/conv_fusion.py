@@ -29,7 +29,7 @@ from bladesmith.models.convs import (
 )
 from bladesmith.ops.build import unavailable
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass, register
+from bladesmith.passes.registry import Context, Pass
 
 
 class FusedConv2dReLU(nn.Module):
@@ -153,7 +153,6 @@ def fuse(module: nn.Module) -> list[str]:
     return fused
 
 
-@register
 class ConvFusion(Pass):
     """Convolution + bias (+ shortcut) + ReLU as one cuDNN call, batch norms folded in."""
 

@@ -4,11 +4,10 @@ of hundreds (``runtimes.cuda_graph.CudaGraphRunner``)."""
 from __future__ import annotations
 
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass, register
+from bladesmith.passes.registry import Context, Pass
 from bladesmith.runtimes.cuda_graph import CudaGraphRunner
 
 
-@register
 class CudaGraph(Pass):
     """Whole call captured in a CUDA graph (static input buffers, one graph per shape)."""
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import copy
 
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass, register
+from bladesmith.passes.registry import Context, Pass
 
 
-@register
 class HeadPacking(Pass):
     """RetinaNet head over all levels at once, packed into one canvas."""
 

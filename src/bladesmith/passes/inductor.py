@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass, register
+from bladesmith.passes.registry import Context, Pass
 
 # Inductor's C++ build of a whole detector takes minutes on a small CPU; worth it only
 # when asked for a longer build.
@@ -24,7 +24,6 @@ def compile_mode(level: str) -> str:
     return "max-autotune-no-cudagraphs" if level == "o2" else "default"
 
 
-@register
 class Inductor(Pass):
     """torch.compile (Inductor), static shapes, frozen weights; max-autotune at o2."""
 

@@ -27,10 +27,9 @@ from torch import fx, nn
 
 from bladesmith.models.convs import fold_norm, is_foldable_norm, norm_after
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass, register
+from bladesmith.passes.registry import Context, Pass
 
 
-@register
 class NormFolding(Pass):
     """Batch norms folded into the convolutions before them, weights channels_last (CPU)."""
 

@@ -16,16 +16,17 @@ from __future__ import annotations
 import importlib.util
 
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass, register
+from bladesmith.passes.registry import Context, Pass
 from bladesmith.runtimes.onnxruntime import OnnxRunnerPerShape, follows_the_batch, onnx_runner
+from bladesmith.spec import ONNX_SUFFIX
 
 
-@register
 class OnnxRuntime(Pass):
     """ONNX export + ONNX Runtime session (CPU execution provider), any batch size."""
 
     name = "onnxruntime"
     devices = ("cpu",)
+    saves_as = ONNX_SUFFIX
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if importlib.util.find_spec("onnxruntime") is None:

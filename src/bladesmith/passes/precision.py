@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass, register
+from bladesmith.passes.registry import Context, Pass
 
 
 class CastFloats(nn.Module):
@@ -38,7 +38,6 @@ def _cast(value, dtype: torch.dtype):
     return value
 
 
-@register
 class Float16(Pass):
     """Half precision (fp16) weights and activations, gated by the accuracy check."""
 
@@ -63,7 +62,6 @@ class Float16(Pass):
         return candidate.with_module(wrapped, self.name, dtype=self.dtype)
 
 
-@register
 class BFloat16(Float16):
     """bfloat16 weights and activations, tried when fp16 was not kept (overflow, accuracy)."""
 

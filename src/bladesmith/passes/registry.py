@@ -8,7 +8,8 @@ raises ``PassSkipped`` when it finds out late that it does not apply (a dependen
 missing); any other exception marks the pass failed. The engine verifies and times the
 result; passes never judge themselves.
 
-Passes run in registration order; ``bladesmith.passes`` imports them in that order.
+Passes run in registration order: the built-in ones in ``bladesmith.passes.ORDER``,
+then any registered later.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class Pass:
     # A pass that rewrites the module's layers; a TorchScript module cannot be rewritten,
     # so the engine skips it there.
     rewrites_modules: ClassVar[bool] = False
+    # The save format (a suffix of ``bladesmith.spec``) whose file holds what this pass's
+    # runner runs; when the pass builds the result's runner, that format is listed first.
+    saves_as: ClassVar[str | None] = None
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         """Why this pass does not apply to ``candidate``, or None when it does."""
@@ -82,7 +86,8 @@ _REGISTRY: dict[str, type[Pass]] = {}
 
 
 def register(cls: type[Pass]) -> type[Pass]:
-    """Class decorator: add a pass to the registry, after those registered before it."""
+    """Add a pass to the registry, after those registered before it (a class decorator
+    too)."""
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         raise TypeError(f"{cls.__name__}: a pass needs a non-empty string `name`")
@@ -115,4 +120,4 @@ def describe() -> Iterator[tuple[str, tuple[str, ...], tuple[str, ...], str]]:
 
 
 def _load_builtin_passes() -> None:
-    import bladesmith.passes  # noqa: F401  (registers the built-in passes, in order)
+    import bladesmith.passes  # noqa: F401  (registers the built-in passes, in ORDER)

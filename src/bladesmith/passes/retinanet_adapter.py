@@ -12,14 +12,13 @@ from __future__ import annotations
 import torch
 
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass, PassSkipped, register
+from bladesmith.passes.registry import Context, Pass, PassSkipped
 
 # A trained RetinaNet on a busy image keeps more than this many candidates per level
 # over the score threshold; fewer means post-processing is timed under a light load.
 REALISTIC_CANDIDATES = 1000
 
 
-@register
 class RetinaNetAdapter(Pass):
     """torchvision RetinaNet -> fixed-shape pipeline with bladesmith's decode + NMS ops."""
 

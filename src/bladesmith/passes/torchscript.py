@@ -10,16 +10,17 @@ from __future__ import annotations
 import torch
 
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass, register
+from bladesmith.passes.registry import Context, Pass
 from bladesmith.runtimes.torchscript import freeze, quiet_torchscript
+from bladesmith.spec import TORCHSCRIPT_SUFFIX
 
 
-@register
 class TorchScriptFreeze(Pass):
     """TorchScript trace + freeze + optimize_for_inference (CPU)."""
 
     name = "torchscript"
     devices = ("cpu",)
+    saves_as = TORCHSCRIPT_SUFFIX
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
         example = candidate.runner_args(context.example_args)

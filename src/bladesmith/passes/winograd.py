@@ -37,7 +37,7 @@ from bladesmith.models.convs import (
 )
 from bladesmith.ops.build import unavailable
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass, PassSkipped, register
+from bladesmith.passes.registry import Context, Pass, PassSkipped
 
 # The operator must run a convolution alone this much faster than oneDNN, and save this
 # much per call, to be used: timings on random data alone move by about 10%.
@@ -81,7 +81,6 @@ def eligible(module: nn.Module) -> bool:
     return is_same_size_3x3(module) and module.weight.dtype == torch.float32
 
 
-@register
 class Winograd(Pass):
     """3x3 stride-1 convolutions as Winograd F(4x4, 3x3), where timed faster (CPU)."""
 

@@ -1,4 +1,4 @@
-"""optimize(): baseline -> passes -> the fastest accurate candidate, with a report.
+"""The search: baseline -> passes -> the fastest accurate candidate, with a report.
 
 The engine knows no pass by name. It copies the user's model (never modifying it),
 runs it as given to get the reference outputs and the baseline latency, then offers
@@ -10,16 +10,13 @@ which is timed; it is kept only if it is within tolerance and at least
 Candidates are verified and timed as they will run: wrapped by the finisher passes that
 apply to them (a CUDA graph on the GPU), which a finisher's own record then compares
 with the candidate without it. When a detector's outputs fail the comparison, the model
-as given also runs under rounding noise (``verify.reference_under_noise``), once: the
+as given also runs under rounding noise (``engine.reference``), once: the
 detections that rounding alone flips are not held against a pass.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,36 +24,22 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from torch import nn
 from torch.utils import _pytree as pytree
 
 from bladesmith.artifact import OptimizedModule
 from bladesmith.bench import Timing, measure
 from bladesmith.config import Config, check_level
 from bladesmith.devices import resolve_device, with_index
+from bladesmith.engine.inputs import argument_tuples, items_per_call, to_device, working_copy
+from bladesmith.engine.progress import Progress
+from bladesmith.engine.reference import Reference
+from bladesmith.engine.result import compatibility, diagnosis, spec_of
+from bladesmith.errors import describe
 from bladesmith.passes import registry
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, PassSkipped
 from bladesmith.report import PassRecord, Report, hardware_context, software_context
-from bladesmith.spec import (
-    AOTI_SUFFIX,
-    ONNX_SUFFIX,
-    OUTPUT_AS_MODEL,
-    OUTPUT_DETECTIONS,
-    OUTPUT_PADDED,
-    TORCHSCRIPT_SUFFIX,
-    Spec,
-)
-from bladesmith.verify import (
-    Comparison,
-    compare_outputs,
-    contains_detections,
-    default_tolerance,
-    detection_score_tolerance,
-    reference_under_noise,
-)
-
-_MAX_ERROR_CHARS = 400
+from bladesmith.spec import Spec
 
 
 def optimize(
@@ -90,11 +73,11 @@ def optimize(
     device = with_index(resolve_device(device))
     passes = list(passes) if passes is not None else registry.create_all()
     _check_pass_names(config, passes)
-    progress = _Progress(config.progress if config.progress is not None else sys.stderr.isatty())
+    progress = Progress(config.progress if config.progress is not None else sys.stderr.isatty())
 
-    entries = _entries(test_data)
-    working, model_info = _working_copy(model, device)
-    test_args = [pytree.tree_map(lambda x: _to(x, device), args) for args in entries]
+    entries = argument_tuples(test_data)
+    working, model_info = working_copy(model, device)
+    test_args = [pytree.tree_map(lambda x: to_device(x, device), args) for args in entries]
     context = Context(
         device=device,
         level=level,
@@ -106,7 +89,7 @@ def optimize(
     if model_info.pop("was_training"):
         context.notes.append("the model was in training mode; it is optimized in eval mode")
     warmup, iters = config.timing_counts(device.type)
-    batch_size = _batch_size(test_args[0])
+    batch_size = items_per_call(test_args[0])
 
     finishers = [each for each in passes if each.finisher]
 
@@ -130,7 +113,7 @@ def optimize(
 
     best = Candidate(module=working, device=device)
     with progress.step("running the model as given"):
-        reference = _Reference(_outputs(best, context), working, context)
+        reference = Reference(_outputs(best, context), working, context)
     baseline = time_candidate(finish(best), "the model as given")
     best_timed = baseline
     records: list[PassRecord] = []
@@ -161,8 +144,9 @@ def optimize(
     _mark_superseded(records, best)
 
     with progress.step("verifying the result"):
-        final_accuracy = _compare(reference, _outputs(best, context), best.dtype, config)
-    spec = _spec(best, context)
+        final_accuracy = reference.compare(_outputs(best, context), best.dtype, config)
+    saves_as = next((p.saves_as for p in passes if p.name == best.backend), None)
+    spec = spec_of(best, context, saves_as)
     optimized = OptimizedModule.from_candidate(
         best, spec=spec, output=config.output, example_args=best.runner_args(test_args[0])
     )
@@ -172,13 +156,13 @@ def optimize(
         software_context=software_context(),
         hardware_context=hardware_context(device),
         user_config={"level": level, "device": str(device), **config.to_dict()},
-        diagnosis=_diagnosis(model_info, context, spec, baseline_timing, best_timing),
+        diagnosis=diagnosis(model_info, context, spec, baseline_timing, best_timing),
         optimizations=records,
         baseline=baseline_timing,
         optimized=best_timing,
         accuracy=final_accuracy,
         model_info={**model_info, "input_shapes": [list(s) for s in spec.input_shapes]},
-        compatibility_list=[_compatibility(device, spec)],
+        compatibility_list=[compatibility(device, spec)],
         model_sdk={"load": "bladesmith.load(path)", "save": spec.save_hint},
     )
     return optimized, spec, report
@@ -225,7 +209,7 @@ def _try(
     best: Candidate,
     best_timed: _Timed,
     context: Context,
-    reference,
+    reference: Reference,
     finish: Callable[[Candidate], _Finished],
     time_candidate: Callable[[_Finished, str], _Timed],
 ) -> tuple[PassRecord, Candidate | None, _Timed | None]:
@@ -248,19 +232,17 @@ def _try(
             run = finish(candidate)
         built = f"built in {time.perf_counter() - started:.1f} s"
         with context.step(f"{name}: verifying"):
-            accuracy = _compare(
-                reference, _outputs(run.candidate, context), candidate.dtype, config
-            )
+            accuracy = reference.compare(_outputs(run.candidate, context), candidate.dtype, config)
             if not accuracy.passed and run.finished_by:
                 # Only the wrapped form moves? The finisher is at fault, and its own
                 # trial rejects it: judge the candidate without it.
-                bare = _compare(reference, _outputs(candidate, context), candidate.dtype, config)
+                bare = reference.compare(_outputs(candidate, context), candidate.dtype, config)
                 if bare.passed:
                     run, accuracy = _Finished(candidate, ()), bare
     except PassSkipped as error:
         return record("skipped", str(error)), None, None
     except Exception as error:  # a failing pass is reported, never fatal
-        return record("failed", _describe(error)), None, None
+        return record("failed", describe(error)), None, None
     waived = each.changes_precision and config.disable_fp16_accuracy_check
     pre_run = best_timed.timing.p50_ms
     if not accuracy.passed and not waived:
@@ -269,7 +251,7 @@ def _try(
     try:
         timed = time_candidate(run, name)
     except Exception as error:
-        return record("failed", f"timing: {_describe(error)}", accuracy=accuracy), None, None
+        return record("failed", f"timing: {describe(error)}", accuracy=accuracy), None, None
     timing = timed.timing
     speedup = pre_run / timing.p50_ms
     fields = dict(pre_run=pre_run, post_run=timing.p50_ms, accuracy=accuracy, timing=timing)
@@ -335,198 +317,6 @@ def _outputs(candidate: Candidate, context: Context) -> list:
     return [module(*args) for args in context.test_args]
 
 
-class _Reference:
-    """The model's outputs on the test inputs and, for a detector, the same under
-    rounding noise: the detections that rounding alone flips are not held against a
-    pass. The noisy runs are made the first time a comparison fails without them."""
-
-    def __init__(self, outputs: list, model: nn.Module, context: Context):
-        self.outputs, self.model, self.context = outputs, model, context
-        self.detects = contains_detections(outputs)
-        self._noisy: list | None = None
-
-    def noisy(self) -> list:
-        if self._noisy is None:
-            try:
-                with self.context.step("running the model as given under rounding noise"):
-                    self._noisy = reference_under_noise(self.model, self.context.test_args)
-                self.context.notes.append(
-                    f"detections: the model as given ran {len(self._noisy)} more times with "
-                    "its weights moved by rounding noise; what that alone flips is not held "
-                    "against a pass (each pass's accuracy counts what it excused)"
-                )
-            except Exception as error:  # a model that cannot be copied is judged without
-                self.context.notes.append(f"no rounding-noise runs ({_describe(error)})")
-                self._noisy = []
-        return self._noisy
-
-
-def _compare(reference: _Reference, outputs, dtype: torch.dtype, config: Config) -> Comparison:
-    rtol, atol = default_tolerance(dtype)
-    rtol = config.rtol if config.rtol is not None else rtol
-    atol = config.atol if config.atol is not None else atol
-
-    def compare(noisy) -> Comparison:
-        return compare_outputs(
-            reference.outputs,
-            outputs,
-            noisy=noisy,
-            rtol=rtol,
-            atol=atol,
-            iou_threshold=config.iou_threshold,
-            min_f1=config.min_f1,
-            score_atol=max(rtol + atol, detection_score_tolerance(dtype)),
-        )
-
-    comparison = compare(())
-    return compare(reference.noisy()) if reference.detects and not comparison.passed else comparison
-
-
-def _working_copy(model, device: torch.device) -> tuple[nn.Module, dict]:
-    """A private copy of ``model`` in eval mode on ``device``, and what it is."""
-    if isinstance(model, (str, os.PathLike)):
-        module, kind = load_model_file(model), None
-    elif isinstance(model, torch.export.ExportedProgram):
-        module, kind = copy.deepcopy(model.module()), "torch.export program"
-    elif isinstance(model, nn.Module):
-        module = copy.deepcopy(model)
-        kind = "TorchScript" if isinstance(model, torch.jit.ScriptModule) else "nn.Module"
-    else:
-        raise TypeError(
-            "model: expected an nn.Module, a TorchScript module, a torch.export program or "
-            f"the path of a .pt/.pt2 file, got {type(model).__name__}"
-        )
-    if kind is None:
-        kind = (
-            "TorchScript" if isinstance(module, torch.jit.ScriptModule) else "torch.export program"
-        )
-    was_training = module.training
-    with contextlib.suppress(NotImplementedError):  # exported modules refuse eval()
-        module.eval()
-    tensors = [*module.parameters(), *module.buffers()]
-    if any(tensor.device != device for tensor in tensors):
-        module.to(device)
-    info = {
-        "name": getattr(module, "original_name", None)
-        if isinstance(module, torch.jit.ScriptModule)
-        else type(module).__name__,
-        "format": kind,
-        "parameters": sum(p.numel() for p in module.parameters()),
-        "was_training": was_training,
-    }
-    return module, info
-
-
-def load_model_file(path) -> nn.Module:
-    """The module in a TorchScript (.pt) or torch.export (.pt2) file, on the CPU."""
-    from bladesmith.errors import BladesmithError
-    from bladesmith.runtimes.torchscript import quiet_torchscript
-
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"model: no file {path!r}")
-    with contextlib.suppress(ImportError, BladesmithError):  # models may use our ops
-        from bladesmith import ops
-
-        ops.load_library()
-    if path.endswith(AOTI_SUFFIX):
-        try:
-            return torch.export.load(path).module()
-        except Exception as error:
-            raise BladesmithError(
-                f"model: {path!r} is not a torch.export program ({_describe(error)}); "
-                "an AOTInductor package is already compiled: load it with bladesmith.load"
-            ) from error
-    try:
-        with quiet_torchscript():
-            return torch.jit.load(path, map_location="cpu")
-    except RuntimeError as error:
-        raise BladesmithError(
-            f"model: {path!r} is not a loadable TorchScript file ({_describe(error)})"
-        ) from error
-
-
-def _entries(test_data) -> list[tuple]:
-    if test_data is None or isinstance(test_data, (torch.Tensor, str)) or not len(test_data):
-        raise ValueError(
-            "test_data: expected a non-empty list of sample inputs, one entry per call: a "
-            "tuple of arguments, or the single argument (a detector's: its list of images)"
-        )
-    return [entry if isinstance(entry, tuple) else (entry,) for entry in test_data]
-
-
-def _to(value, device: torch.device):
-    return value.to(device) if isinstance(value, torch.Tensor) else value
-
-
-def _batch_size(args: tuple) -> int:
-    """Items per call, for throughput: a list of images, or a batch of images."""
-    first = args[0] if args else None
-    if isinstance(first, (list, tuple)) and first and isinstance(first[0], torch.Tensor):
-        return len(first)
-    if isinstance(first, torch.Tensor) and first.dim() == 4:
-        return first.shape[0]
-    return 1
-
-
-def _spec(best: Candidate, context: Context) -> Spec:
-    if best.padded_detections:
-        output = OUTPUT_PADDED if context.config.output == "padded" else OUTPUT_DETECTIONS
-    else:
-        output = OUTPUT_AS_MODEL
-    leaves = pytree.tree_leaves(best.runner_args(context.example_args))
-    return Spec(
-        device=str(context.device),
-        dtype=str(best.dtype).removeprefix("torch."),
-        input_shapes=tuple(tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor)),
-        output=output,
-        passes=best.applied,
-        backend=best.backend,
-        save_formats=_save_formats(best, context.device),
-    )
-
-
-def _save_formats(best: Candidate, device: torch.device) -> tuple[str, ...]:
-    """The formats ``save`` can write, the one closest to what runs first."""
-    if isinstance(best.module, torch.jit.ScriptModule):
-        formats = [TORCHSCRIPT_SUFFIX]
-    elif device.type == "cuda":
-        formats = [AOTI_SUFFIX, TORCHSCRIPT_SUFFIX]
-    else:
-        formats = [TORCHSCRIPT_SUFFIX, AOTI_SUFFIX]
-    if device.type == "cpu":
-        position = 0 if best.backend == "onnxruntime" else len(formats)
-        formats.insert(position, ONNX_SUFFIX)
-    return tuple(formats)
-
-
-def _diagnosis(info: dict, context: Context, spec: Spec, baseline: Timing, best: Timing) -> dict:
-    speedup = baseline.p50_ms / best.p50_ms
-    kept = ", ".join(spec.passes) or "no pass"
-    lines = [
-        f"{info['name']} ({info['format']}, {info['parameters'] / 1e6:.1f}M parameters) on "
-        f"{context.device}, level {context.level}.",
-        *context.notes,
-        f"Kept {kept}: {baseline.p50_ms:.2f} ms -> {best.p50_ms:.2f} ms ({speedup:.2f}x); "
-        f"runs as {spec.backend} in {spec.dtype}.",
-    ]
-    return {"message": "\n".join(lines), "notes": list(context.notes), "speedup": speedup}
-
-
-def _compatibility(device: torch.device, spec: Spec) -> dict:
-    entry = {
-        "device_type": {"cuda": "gpu"}.get(device.type, device.type),
-        "torch": f">={torch.__version__.split('+')[0]} (the version that built it)",
-        "dtype": spec.dtype,
-        "save_formats": list(spec.save_formats),
-    }
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        entry["microarchitecture"] = torch.cuda.get_device_name(device)
-        entry["compute_capability"] = f"{major}.{minor} (kernels are built for it)"
-    return entry
-
-
 def _check_pass_names(config: Config, passes: Sequence[Pass]) -> None:
     known = {each.name for each in passes}
     unknown = (set(config.include) | set(config.exclude)) - known
@@ -535,66 +325,3 @@ def _check_pass_names(config: Config, passes: Sequence[Pass]) -> None:
             f"Config include/exclude: no pass named {sorted(unknown)}; passes are "
             f"{', '.join(each.name for each in passes)}"
         )
-
-
-def _describe(error: BaseException) -> str:
-    text = f"{type(error).__name__}: {error}".strip()
-    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
-
-
-class _Progress:
-    """A spinner on stderr naming the step in progress; nested steps show the inner one."""
-
-    def __init__(self, enabled: bool):
-        from rich.console import Console
-
-        self.console = Console(stderr=True) if enabled else None
-        self._status = None
-        self._text = ""
-
-    @contextlib.contextmanager
-    def step(self, text: str):
-        if self.console is None:
-            yield
-        elif self._status is not None:
-            outer = self._text
-            self._show(text)
-            try:
-                yield
-            finally:
-                self._show(outer)
-        else:
-            with self.console.status(text) as status:
-                self._status, self._text = status, text
-                try:
-                    yield
-                finally:
-                    self._status = None
-
-    def timing_callback(self, label: str):
-        if self.console is None:
-            return None
-
-        def update(stage: str, done: int, total: int) -> None:
-            # Every tenth of the runs: a redraw per run would steal time from the host.
-            if done == total or done % max(1, total // 10) == 0:
-                self._show(f"{label}: {stage} {done}/{total}")
-
-        return update
-
-    def log(self, record: PassRecord) -> None:
-        if self.console is not None:
-            from rich.markup import escape
-
-            style = {"kept": "green", "rejected": "yellow", "failed": "red"}.get(
-                record.status, "dim"
-            )
-            self.console.print(
-                f"[{style}]{record.status:>8}[/] {escape(record.name)}: {escape(record.reason)}",
-                highlight=False,
-            )
-
-    def _show(self, text: str) -> None:
-        self._text = text
-        if self._status is not None:
-            self._status.update(text)

@@ -26,7 +26,7 @@ import onnx
 
 from bladesmith._files import write_atomically
 from bladesmith.errors import BladesmithError
-from bladesmith.onnx.check import Finding, check, load_model
+from bladesmith.onnx.checker import Finding, check, load_model
 from bladesmith.onnx.rules.graph import FLOAT_TYPES, GraphView, attribute
 from bladesmith.onnx.rules.opset import opset_range
 from bladesmith.onnx.targets import Target, resolve_targets

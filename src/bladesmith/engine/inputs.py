@@ -1,0 +1,102 @@
+"""What ``optimize`` is given, made uniform: the model (a module, a TorchScript module, a
+torch.export program, or a file of either) as a private copy in eval mode on the device,
+and the test data as a list of argument tuples."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+
+import torch
+from torch import nn
+
+from bladesmith.errors import describe
+from bladesmith.runtimes.torchscript import quiet_torchscript
+from bladesmith.spec import AOTI_SUFFIX
+
+
+def working_copy(model, device: torch.device) -> tuple[nn.Module, dict]:
+    """A private copy of ``model`` in eval mode on ``device``, and what it is."""
+    if isinstance(model, (str, os.PathLike)):
+        module, kind = load_model_file(model), None
+    elif isinstance(model, torch.export.ExportedProgram):
+        module, kind = copy.deepcopy(model.module()), "torch.export program"
+    elif isinstance(model, nn.Module):
+        module = copy.deepcopy(model)
+        kind = "TorchScript" if isinstance(model, torch.jit.ScriptModule) else "nn.Module"
+    else:
+        raise TypeError(
+            "model: expected an nn.Module, a TorchScript module, a torch.export program or "
+            f"the path of a .pt/.pt2 file, got {type(model).__name__}"
+        )
+    if kind is None:
+        kind = (
+            "TorchScript" if isinstance(module, torch.jit.ScriptModule) else "torch.export program"
+        )
+    was_training = module.training
+    with contextlib.suppress(NotImplementedError):  # exported modules refuse eval()
+        module.eval()
+    tensors = [*module.parameters(), *module.buffers()]
+    if any(tensor.device != device for tensor in tensors):
+        module.to(device)
+    info = {
+        "name": getattr(module, "original_name", None)
+        if isinstance(module, torch.jit.ScriptModule)
+        else type(module).__name__,
+        "format": kind,
+        "parameters": sum(p.numel() for p in module.parameters()),
+        "was_training": was_training,
+    }
+    return module, info
+
+
+def load_model_file(path) -> nn.Module:
+    """The module in a TorchScript (.pt) or torch.export (.pt2) file, on the CPU."""
+    from bladesmith.errors import BladesmithError
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model: no file {path!r}")
+    with contextlib.suppress(ImportError, BladesmithError):  # models may use our ops
+        from bladesmith import ops
+
+        ops.load_library()
+    if path.endswith(AOTI_SUFFIX):
+        try:
+            return torch.export.load(path).module()
+        except Exception as error:
+            raise BladesmithError(
+                f"model: {path!r} is not a torch.export program ({describe(error)}); "
+                "an AOTInductor package is already compiled: load it with bladesmith.load"
+            ) from error
+    try:
+        with quiet_torchscript():
+            return torch.jit.load(path, map_location="cpu")
+    except RuntimeError as error:
+        raise BladesmithError(
+            f"model: {path!r} is not a loadable TorchScript file ({describe(error)})"
+        ) from error
+
+
+def argument_tuples(test_data) -> list[tuple]:
+    if test_data is None or isinstance(test_data, (torch.Tensor, str)) or not len(test_data):
+        raise ValueError(
+            "test_data: expected a non-empty list of sample inputs, one entry per call: a "
+            "tuple of arguments, or the single argument (a detector's: its list of images)"
+        )
+    return [entry if isinstance(entry, tuple) else (entry,) for entry in test_data]
+
+
+def to_device(value, device: torch.device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def items_per_call(args: tuple) -> int:
+    """Items per call, for throughput: a list of images, or a batch of images."""
+    first = args[0] if args else None
+    if isinstance(first, (list, tuple)) and first and isinstance(first[0], torch.Tensor):
+        return len(first)
+    if isinstance(first, torch.Tensor) and first.dim() == 4:
+        return first.shape[0]
+    return 1

@@ -1,0 +1,81 @@
+"""What ``optimize`` returns besides the module: the spec of the result and the parts of
+the report that describe the run (diagnosis, compatibility)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+from bladesmith.bench import Timing
+from bladesmith.passes.candidate import Candidate
+from bladesmith.passes.registry import Context
+from bladesmith.spec import (
+    AOTI_SUFFIX,
+    ONNX_SUFFIX,
+    OUTPUT_AS_MODEL,
+    OUTPUT_DETECTIONS,
+    OUTPUT_PADDED,
+    TORCHSCRIPT_SUFFIX,
+    Spec,
+)
+
+
+def spec_of(best: Candidate, context: Context, saves_as: str | None) -> Spec:
+    """The spec of ``best``; ``saves_as``: the save format of what its backend runs."""
+    if best.padded_detections:
+        output = OUTPUT_PADDED if context.config.output == "padded" else OUTPUT_DETECTIONS
+    else:
+        output = OUTPUT_AS_MODEL
+    leaves = pytree.tree_leaves(best.runner_args(context.example_args))
+    return Spec(
+        device=str(context.device),
+        dtype=str(best.dtype).removeprefix("torch."),
+        input_shapes=tuple(tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor)),
+        output=output,
+        passes=best.applied,
+        backend=best.backend,
+        save_formats=_save_formats(best, context.device, saves_as),
+    )
+
+
+def _save_formats(best: Candidate, device: torch.device, saves_as: str | None) -> tuple[str, ...]:
+    """The formats ``save`` can write, the one closest to what runs first."""
+    if isinstance(best.module, torch.jit.ScriptModule):
+        formats = [TORCHSCRIPT_SUFFIX]
+    elif device.type == "cuda":
+        formats = [AOTI_SUFFIX, TORCHSCRIPT_SUFFIX]
+    else:
+        formats = [TORCHSCRIPT_SUFFIX, AOTI_SUFFIX]
+    if device.type == "cpu":
+        formats.append(ONNX_SUFFIX)
+    if saves_as in formats:  # what the backend runs comes first
+        formats.remove(saves_as)
+        formats.insert(0, saves_as)
+    return tuple(formats)
+
+
+def diagnosis(info: dict, context: Context, spec: Spec, baseline: Timing, best: Timing) -> dict:
+    speedup = baseline.p50_ms / best.p50_ms
+    kept = ", ".join(spec.passes) or "no pass"
+    lines = [
+        f"{info['name']} ({info['format']}, {info['parameters'] / 1e6:.1f}M parameters) on "
+        f"{context.device}, level {context.level}.",
+        *context.notes,
+        f"Kept {kept}: {baseline.p50_ms:.2f} ms -> {best.p50_ms:.2f} ms ({speedup:.2f}x); "
+        f"runs as {spec.backend} in {spec.dtype}.",
+    ]
+    return {"message": "\n".join(lines), "notes": list(context.notes), "speedup": speedup}
+
+
+def compatibility(device: torch.device, spec: Spec) -> dict:
+    entry = {
+        "device_type": {"cuda": "gpu"}.get(device.type, device.type),
+        "torch": f">={torch.__version__.split('+')[0]} (the version that built it)",
+        "dtype": spec.dtype,
+        "save_formats": list(spec.save_formats),
+    }
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        entry["microarchitecture"] = torch.cuda.get_device_name(device)
+        entry["compute_capability"] = f"{major}.{minor} (kernels are built for it)"
+    return entry

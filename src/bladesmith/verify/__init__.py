@@ -1,0 +1,31 @@
+"""Output comparison: tensors by tolerance and error statistics, detections by matching,
+any structure of them by path.
+
+``tolerance`` holds the policy (defaults by dtype, per-output overrides), ``tensors``
+and ``detections`` the comparators (``ties``: what rounding alone may change in a
+detector's output), ``outputs`` the walk over a model's output structure.
+"""
+
+from bladesmith.verify.detections import (
+    DetectionComparison,
+    compare_detections,
+    contains_detections,
+    is_detection_list,
+)
+from bladesmith.verify.outputs import Comparison, compare_outputs
+from bladesmith.verify.tensors import TensorComparison, compare_tensors
+from bladesmith.verify.tolerance import Tolerance, default_tolerance, detection_score_tolerance
+
+__all__ = [
+    "Comparison",
+    "DetectionComparison",
+    "TensorComparison",
+    "Tolerance",
+    "compare_detections",
+    "compare_outputs",
+    "compare_tensors",
+    "contains_detections",
+    "default_tolerance",
+    "detection_score_tolerance",
+    "is_detection_list",
+]

@@ -1,0 +1,158 @@
+"""Any structure of outputs compared with the reference's: tensors, sequences, dicts and
+detection lists, each by its own comparator, reported by path."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from bladesmith.verify._format import finite_or_none
+from bladesmith.verify.detections import DetectionComparison, compare_detections, is_detection_list
+from bladesmith.verify.tensors import TensorComparison, compare_tensors
+from bladesmith.verify.tolerance import Tolerance
+
+# Leaves compared as tensors (bool is an int; numpy scalars are np.generic).
+_TENSOR_LIKE = (torch.Tensor, np.ndarray, np.generic, int, float, complex)
+
+
+@dataclass
+class Comparison:
+    """Every output of a model against the reference's, by path ("out[0]['boxes']")."""
+
+    outputs: dict[str, TensorComparison | DetectionComparison] = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)  # structure mismatches, by path
+
+    @property
+    def passed(self) -> bool:
+        return not self.reasons and all(output.passed for output in self.outputs.values())
+
+    @property
+    def tolerance_ratio(self) -> float:
+        """The worst output's error over its tolerance: > 1 is past it."""
+        ratios = [output.tolerance_ratio for output in self.outputs.values()]
+        return math.inf if self.reasons else max(ratios, default=0.0)
+
+    def failures(self) -> list[str]:
+        return [*self.reasons] + [
+            f"{path}: {output.summary()}"
+            for path, output in self.outputs.items()
+            if not output.passed
+        ]
+
+    def summary(self) -> str:
+        failures = self.failures()
+        if failures:
+            shown = "; ".join(failures[:3])
+            return shown + (f"; and {len(failures) - 3} more" if len(failures) > 3 else "")
+        if len(self.outputs) == 1:
+            return next(iter(self.outputs.values())).summary()
+        if not self.outputs:
+            return "no outputs to compare"
+        path, closest = max(self.outputs.items(), key=lambda item: item[1].tolerance_ratio)
+        return (
+            f"all {len(self.outputs)} outputs within tolerance; closest to its limit "
+            f"{path}: {closest.summary()}"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "outputs",
+            "passed": self.passed,
+            "summary": self.summary(),
+            "tolerance_ratio": finite_or_none(self.tolerance_ratio),
+            "reasons": list(self.reasons),
+            "outputs": {path: output.to_dict() for path, output in self.outputs.items()},
+        }
+
+
+def compare_outputs(
+    reference,
+    candidate,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    tolerances: Mapping[str | int, Tolerance] | None = None,
+    iou_threshold: float = 0.9,
+    min_f1: float = 0.99,
+    score_atol: float | None = None,
+    noisy: Sequence = (),
+    name: str = "out",
+) -> Comparison:
+    """Compare a model's outputs with the reference's, whatever their structure.
+
+    Tensors (and numbers, numpy arrays) are compared with ``compare_tensors``; tuples,
+    lists and dicts recursively; a list of {"boxes", "scores", "labels"} dicts with
+    ``compare_detections``. ``rtol``/``atol`` override the dtype defaults for every
+    tensor; ``tolerances`` overrides them per output, keyed by its full path
+    ("out[1]", "out['logits']") or its last index or key (1, "logits"); the full path
+    wins. A key that names no output is an error, so a typo cannot go unnoticed.
+    ``noisy``: the reference model's outputs under rounding noise, structured like
+    ``reference`` (``engine.reference.reference_under_noise``), for ``compare_detections``.
+    """
+    tolerances = dict(tolerances or {})
+    result = Comparison()
+    used: set = set()
+
+    def visit(path: str, last, ref, cand, noisy: list) -> None:
+        if is_detection_list(ref):
+            result.outputs[path] = compare_detections(
+                ref,
+                cand,
+                iou_threshold=iou_threshold,
+                min_f1=min_f1,
+                score_atol=score_atol,
+                noisy=noisy,
+            )
+        elif isinstance(ref, Mapping):
+            if not isinstance(cand, Mapping):
+                result.reasons.append(f"{path}: expected a dict, got {type(cand).__name__}")
+            elif set(ref) != set(cand):
+                result.reasons.append(
+                    f"{path}: keys {sorted(map(str, cand))} differ from the reference's "
+                    f"{sorted(map(str, ref))}"
+                )
+            else:
+                for key in ref:
+                    visit(f"{path}[{key!r}]", key, ref[key], cand[key], [n[key] for n in noisy])
+        elif isinstance(ref, (list, tuple)):
+            if not isinstance(cand, (list, tuple)):
+                result.reasons.append(f"{path}: expected a sequence, got {type(cand).__name__}")
+            elif len(ref) != len(cand):
+                result.reasons.append(f"{path}: {len(cand)} items, the reference has {len(ref)}")
+            else:
+                for index, (r, c) in enumerate(zip(ref, cand, strict=True)):
+                    visit(f"{path}[{index}]", index, r, c, [n[index] for n in noisy])
+        elif isinstance(ref, _TENSOR_LIKE):
+            if not isinstance(cand, _TENSOR_LIKE):
+                result.reasons.append(f"{path}: expected a tensor, got {type(cand).__name__}")
+                return
+            keys = [key for key in (path, last) if key in tolerances]
+            override = tolerances[keys[0]] if keys else Tolerance()
+            used.update(keys)
+            result.outputs[path] = compare_tensors(
+                ref,
+                cand,
+                rtol=override.rtol if override.rtol is not None else rtol,
+                atol=override.atol if override.atol is not None else atol,
+            )
+        elif ref is None or isinstance(ref, str):
+            if ref != cand:
+                result.reasons.append(f"{path}: {cand!r} differs from the reference's {ref!r}")
+        else:
+            raise TypeError(
+                f"reference {path}: cannot compare outputs of type {type(ref).__name__}; "
+                "expected tensors, numbers, strings, None, or tuples, lists and dicts of them"
+            )
+
+    visit(name, None, reference, candidate, list(noisy))
+    unused = set(tolerances) - used
+    if unused:
+        raise ValueError(
+            f"tolerances: no output is named {sorted(map(str, unused))}; "
+            f"outputs are {list(result.outputs)}"
+        )
+    return result

@@ -1,0 +1,179 @@
+"""Tensor outputs compared elementwise, with error statistics.
+
+A tensor element passes when ``|candidate - reference| <= atol + rtol * |reference|``
+(numpy's ``isclose``, relative to the reference). Like Polygraphy, a comparison reports
+the error distribution (max, mean and 99th percentile of absolute and relative error),
+not only pass or fail, and how far past its tolerance the worst element is, so that a
+rejected pass says by how much it moved the outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from bladesmith.bench import percentile
+from bladesmith.verify._format import finite_or_none, sci
+from bladesmith.verify.tolerance import default_tolerance
+
+
+@dataclass
+class TensorComparison:
+    """One tensor output against its reference. Errors are over elements finite in both."""
+
+    passed: bool
+    shape: tuple[int, ...]
+    dtype: str
+    reference_dtype: str
+    rtol: float
+    atol: float
+    numel: int = 0
+    out_of_tolerance: int = 0  # elements past tolerance, non-finite mismatches included
+    nonfinite_mismatches: int = 0  # NaN or inf in one output where the other differs
+    max_abs: float | None = None
+    mean_abs: float | None = None
+    p99_abs: float | None = None
+    max_rel: float | None = None  # relative to |reference|, over non-zero references
+    mean_rel: float | None = None
+    p99_rel: float | None = None
+    # Worst element's error over its allowance atol + rtol*|ref|: <= 1 passes; inf for an
+    # exact (integer) mismatch or a non-finite mismatch.
+    tolerance_ratio: float = 0.0
+    reasons: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        if self.reasons:
+            return "; ".join(self.reasons)
+        if self.numel == 0:
+            return "empty, shapes match"
+        if self.rtol == 0 and self.atol == 0:
+            text = (
+                f"{self.out_of_tolerance}/{self.numel} differ, max abs {sci(self.max_abs)} "
+                "(must be equal)"
+            )
+        else:
+            text = (
+                f"max abs {sci(self.max_abs)} (atol {sci(self.atol)}), "
+                f"p99 rel {sci(self.p99_rel)} (rtol {sci(self.rtol)}), "
+                f"{self.out_of_tolerance}/{self.numel} out of tolerance"
+            )
+        if self.nonfinite_mismatches:
+            text += f", {self.nonfinite_mismatches} NaN/inf mismatches"
+        if not self.passed and math.isfinite(self.tolerance_ratio):
+            text += f", worst {sci(self.tolerance_ratio)}x its tolerance"
+        return text
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "tensor",
+            "passed": self.passed,
+            "summary": self.summary(),
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "reference_dtype": self.reference_dtype,
+            "rtol": self.rtol,
+            "atol": self.atol,
+            "numel": self.numel,
+            "out_of_tolerance": self.out_of_tolerance,
+            "nonfinite_mismatches": self.nonfinite_mismatches,
+            "max_abs": self.max_abs,
+            "mean_abs": self.mean_abs,
+            "p99_abs": self.p99_abs,
+            "max_rel": self.max_rel,
+            "mean_rel": self.mean_rel,
+            "p99_rel": self.p99_rel,
+            "tolerance_ratio": finite_or_none(self.tolerance_ratio),
+            "reasons": list(self.reasons),
+        }
+
+
+def compare_tensors(reference, candidate, rtol=None, atol=None) -> TensorComparison:
+    """Compare ``candidate`` with ``reference`` elementwise; tolerances default by dtype.
+
+    When the dtypes differ within a kind (an fp16 candidate of an fp32 reference), the
+    looser default of the two applies. A different kind (float against integer), a
+    different shape, or NaN/inf where the other output has something else, fails.
+    Positions NaN in both, or the same infinity in both, agree.
+    """
+    reference = torch.as_tensor(reference).detach().cpu()
+    candidate = torch.as_tensor(candidate).detach().cpu()
+    ref_rtol, ref_atol = default_tolerance(reference.dtype)
+    cand_rtol, cand_atol = default_tolerance(candidate.dtype)
+    rtol = max(ref_rtol, cand_rtol) if rtol is None else float(rtol)
+    atol = max(ref_atol, cand_atol) if atol is None else float(atol)
+    if rtol < 0 or atol < 0:
+        raise ValueError(f"tolerances must be >= 0, got rtol={rtol}, atol={atol}")
+    result = TensorComparison(
+        passed=False,
+        shape=tuple(candidate.shape),
+        dtype=_dtype_name(candidate.dtype),
+        reference_dtype=_dtype_name(reference.dtype),
+        rtol=rtol,
+        atol=atol,
+    )
+    if _kind(reference.dtype) != _kind(candidate.dtype):
+        result.reasons.append(
+            f"dtype {result.dtype} is not comparable with the reference's {result.reference_dtype}"
+        )
+    if reference.shape != candidate.shape:
+        result.reasons.append(
+            f"shape {list(candidate.shape)} differs from the reference's {list(reference.shape)}"
+        )
+    if result.reasons:
+        result.tolerance_ratio = math.inf
+        return result
+    _fill_statistics(result, reference, candidate)
+    result.passed = result.out_of_tolerance == 0
+    return result
+
+
+def _fill_statistics(result: TensorComparison, reference, candidate) -> None:
+    result.numel = reference.numel()
+    if result.numel == 0:
+        return
+    wide = torch.complex128 if reference.is_complex() or candidate.is_complex() else torch.float64
+    ref, cand = reference.to(wide).flatten(), candidate.to(wide).flatten()
+    finite = torch.isfinite(ref) & torch.isfinite(cand)
+    # Non-finite values agree when both are NaN or both the same infinity.
+    agree = (torch.isnan(ref) & torch.isnan(cand)) | (ref == cand)
+    result.nonfinite_mismatches = int((~finite & ~agree).sum())
+
+    abs_err = (cand[finite] - ref[finite]).abs()
+    ref_mag = ref[finite].abs()
+    if result.rtol == 0 and result.atol == 0:
+        # Exact: compare in the native dtypes, as float64 cannot hold every int64.
+        past = reference.flatten()[finite] != candidate.flatten()[finite]
+    else:
+        past = abs_err > result.atol + result.rtol * ref_mag
+    result.out_of_tolerance = int(past.sum()) + result.nonfinite_mismatches
+
+    if abs_err.numel():
+        allowed = result.atol + result.rtol * ref_mag
+        ratio = torch.where(
+            allowed > 0, abs_err / allowed.clamp_min(1e-300), torch.where(past, math.inf, 0.0)
+        )
+        result.tolerance_ratio = float(ratio.max())
+        errors = abs_err.numpy()
+        result.max_abs, result.mean_abs = float(errors.max()), float(errors.mean())
+        result.p99_abs = percentile(errors, 99)
+        nonzero = ref_mag > 0
+        if nonzero.any():
+            rel = (abs_err[nonzero] / ref_mag[nonzero]).numpy()
+            result.max_rel, result.mean_rel = float(rel.max()), float(rel.mean())
+            result.p99_rel = percentile(rel, 99)
+    if result.nonfinite_mismatches:
+        result.tolerance_ratio = math.inf
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "float" if dtype.is_floating_point else "int"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
