@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -242,6 +243,35 @@ def reload_problem(optimized: OptimizedModule, path: Path) -> str | None:
         atol=tolerance.get("atol"),
     )
     return None if comparison.passed else f"loaded back, its outputs differ: {comparison.summary()}"
+
+
+def try_formats(
+    optimized: OptimizedModule, formats, test_args: list[tuple], judge: Callable
+) -> tuple[tuple[str, ...], dict[str, str]]:
+    """Save ``optimized`` in each of ``formats``, load it back and run it on every test
+    input: (the formats whose outputs ``judge`` passes, in order; {suffix: why} for the
+    others). ``judge(outputs)`` returns a ``verify.Comparison``."""
+    tried, refused = [], {}
+    with tempfile.TemporaryDirectory(prefix="bladesmith-save-") as directory:
+        for suffix in formats:
+            path = Path(directory) / f"model{suffix}"
+            try:
+                write(optimized, path)
+                loaded = load(path)
+                outputs = [loaded(*args) for args in test_args]
+            except Exception as error:
+                text = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+                refused[suffix] = f"saving it and loading it back failed ({text})"
+                continue
+            comparison = judge(outputs)
+            if comparison.passed:
+                tried.append(suffix)
+            else:
+                refused[suffix] = (
+                    f"saved and loaded back, its outputs moved past tolerance "
+                    f"({comparison.summary()})"
+                )
+    return tuple(tried), refused
 
 
 def load(path: str | os.PathLike) -> OptimizedModule:

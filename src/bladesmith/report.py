@@ -83,6 +83,7 @@ class Report:
     model_info: dict = field(default_factory=dict)
     compatibility_list: list[dict] = field(default_factory=list)
     model_sdk: dict = field(default_factory=dict)
+    tolerance: dict = field(default_factory=dict)  # rtol, atol and why, of the outputs
 
     def __post_init__(self):
         self.baseline = _as_dict(self.baseline)
@@ -121,6 +122,7 @@ class Report:
                 "model_info": self.model_info,
                 "compatibility_list": self.compatibility_list,
                 "model_sdk": self.model_sdk,
+                "tolerance": self.tolerance,
                 "timing_method": self.timing_method,
                 "throughput": self.throughput,
             }
@@ -142,6 +144,7 @@ class Report:
             model_info=dict(data.get("model_info") or {}),
             compatibility_list=list(data.get("compatibility_list") or []),
             model_sdk=dict(data.get("model_sdk") or {}),
+            tolerance=dict(data.get("tolerance") or {}),
         )
 
     def __str__(self) -> str:

@@ -18,7 +18,7 @@ import importlib.util
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
 from bladesmith.runtimes.onnxruntime import OnnxRunnerPerShape, follows_the_batch, onnx_runner
-from bladesmith.spec import ONNX_SUFFIX
+from bladesmith.spec import ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 
 
 class OnnxRuntime(Pass):
@@ -27,6 +27,10 @@ class OnnxRuntime(Pass):
     name = "onnxruntime"
     devices = ("cpu",)
     saves_as = ONNX_SUFFIX
+    refuses_formats = {
+        TORCHSCRIPT_SUFFIX: "the module runs in ONNX Runtime; as TorchScript it would run "
+        f"another way, slower than what was measured: save it as {ONNX_SUFFIX}"
+    }
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if importlib.util.find_spec("onnxruntime") is None:
