@@ -63,7 +63,10 @@ def variants_for(name: str, batch: int, device, args) -> tuple[dict, dict, torch
     """(name -> callable, name -> what was built: seconds, passes, tolerance) and the
     input, for one model at one batch size."""
     torch.manual_seed(0)
-    model = getattr(torchvision.models, name)(weights=None).eval().to(device)
+    model = getattr(torchvision.models, name)(weights=None).eval()
+    if name == "vit_b_16":  # torchvision zeroes ViT's head: its logits would all be 0
+        torch.nn.init.normal_(model.heads.head.weight, std=0.02)
+    model.to(device)
     x = torch.randn(batch, 3, 224, 224, device=device)
 
     def eager():

@@ -54,3 +54,24 @@ def test_a_graph_that_fixes_its_batch_gets_a_session_per_shape():
         with torch.no_grad():
             torch.testing.assert_close(candidate(x), net(x), rtol=1e-5, atol=1e-5)
     assert len(candidate.runner.runners) == 2
+
+
+class SelfAttention(nn.Module):
+    """Self-attention as torchvision's ViT calls it: under no_grad in eval mode it takes
+    nn.MultiheadAttention's fused fast path, an operator ONNX has no translation for."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+def test_multi_head_attention_exports_without_its_fused_fast_path():
+    net = SelfAttention().eval()
+    candidate = built_on(net, torch.randn(1, 5, 16))
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(candidate(x), net(x), rtol=1e-4, atol=1e-5)
+    assert torch.backends.mha.get_fastpath_enabled()  # restored after the export

@@ -10,6 +10,7 @@ operators. The file is written next to its destination, shape-inferred and check
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -72,7 +73,12 @@ def _torch_export(
     model, args, raw: Path, opset, custom_ops, input_names, output_names, dynamic_axes
 ):
     custom_opsets = {symbolic.DOMAIN: symbolic.DOMAIN_VERSION} if custom_ops == "domain" else {}
-    with symbolic.registered(custom_ops, opset), warnings.catch_warnings(), torch.no_grad():
+    with (
+        symbolic.registered(custom_ops, opset),
+        warnings.catch_warnings(),
+        torch.no_grad(),
+        _mha_fastpath_off(),
+    ):
         # The TorchScript exporter is chosen deliberately (see the module docstring).
         warnings.simplefilter("ignore", DeprecationWarning)
         try:
@@ -96,6 +102,19 @@ def _torch_export(
                 "trace with fixed-shape tensor inputs, and each of its operators needs an ONNX "
                 f"translation at opset {opset} (a newer opset may have it)"
             ) from error
+
+
+@contextlib.contextmanager
+def _mha_fastpath_off():
+    """nn.MultiheadAttention without its inference fast path, whose fused operator
+    (``aten::_native_multi_head_attention``, what a ViT runs under no_grad) has no ONNX
+    translation: the same attention exports as its matmuls and softmax."""
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
 
 
 def _finish(raw: Path, out: Path, external_data: bool | None) -> None:
