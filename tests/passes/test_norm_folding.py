@@ -89,22 +89,24 @@ class Untraceable(nn.Module):
         return self.bn(self.conv(y))
 
 
-def test_folds_pairs_a_hand_written_forward_makes_and_only_those():
-    net = randomize_norms(HandWritten())
+def folded_keeping_outputs(net: nn.Module) -> nn.Module:
+    """``net`` (its norms randomized) through the pass, checked to compute the same."""
+    net = randomize_norms(net)
     x = torch.randn(2, 3, 16, 16)
     folded = folded_by_the_pass(net, x)
     with torch.no_grad():
         torch.testing.assert_close(folded(x), net(x), rtol=1e-4, atol=1e-4)
+    return folded
+
+
+def test_folds_pairs_a_hand_written_forward_makes_and_only_those():
+    folded = folded_keeping_outputs(HandWritten())
     assert isinstance(folded.bn1, nn.Identity) and isinstance(folded.bn2, nn.Identity)
     assert isinstance(folded.bn3, nn.BatchNorm2d)  # conv3's output is read twice
 
 
 def test_an_untraceable_forward_is_searched_child_by_child():
-    net = randomize_norms(Untraceable())
-    x = torch.randn(1, 3, 16, 16)
-    folded = folded_by_the_pass(net, x)
-    with torch.no_grad():
-        torch.testing.assert_close(folded(x), net(x), rtol=1e-4, atol=1e-4)
+    folded = folded_keeping_outputs(Untraceable())
     assert isinstance(folded.inner.bn1, nn.Identity)  # the traceable child: through its graph
     assert isinstance(folded.bn, nn.BatchNorm2d)  # the parent's own calls cannot be seen
 
