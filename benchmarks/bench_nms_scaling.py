@@ -33,7 +33,8 @@ def photograph(device) -> tuple:
     """The decoded candidates of bladesmith's realistic-load RetinaNet R50-FPN on a
     photograph: its scores vary smoothly over the image, so boxes of one class overlap in
     clusters, as a trained model's do around objects."""
-    from bladesmith.models import RetinaNetPipeline, build_retinanet
+    from bladesmith.families.retinanet import RetinaNetPipeline
+    from bladesmith.models.builtin import build_retinanet
     from bladesmith.models.images import sample_images
 
     pipeline = RetinaNetPipeline(build_retinanet(IMAGE), IMAGE).to(device)

@@ -7,7 +7,7 @@ latency and the F1 of each, side by side, to see what the gate's choices cost.
     python benchmarks/bench_passes.py --batches 1 --profile --top 30   # and each combo's kernels
 
 Each combo is a comma-separated list of pass names, applied in that order ("adapter"
-is short for retinanet_adapter). The model is the realistic-load RetinaNet R50-FPN of
+is short for fixed_shape). The model is the realistic-load RetinaNet R50-FPN of
 bench_optimize.py on real photographs; every row is timed on the same images and its
 detections are compared with eager float32's: F1 with near ties and rounding flips
 excused (what optimize's gate uses) and strict F1 (every unmatched detection counts).
@@ -27,8 +27,8 @@ import bladesmith
 from bench_optimize import Timer
 from bladesmith.artifact import OptimizedModule
 from bladesmith.config import Config
+from bladesmith.models.builtin import build_retinanet
 from bladesmith.models.images import sample_images
-from bladesmith.models.retinanet import build_retinanet
 from bladesmith.passes import Candidate, Context
 from bladesmith.passes.registry import create_all
 
@@ -43,7 +43,7 @@ GPU_COMBOS = (
     "adapter,head_packing,channels_last,inductor,cuda_graph",
 )
 CPU_COMBOS = ("adapter", "adapter,torchscript", "adapter,onnxruntime")
-ALIASES = {"adapter": "retinanet_adapter"}
+ALIASES = {"adapter": "fixed_shape"}
 
 
 def main() -> None:

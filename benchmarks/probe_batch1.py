@@ -1,6 +1,6 @@
 """Where batch 1's time goes on the GPU, for one combination of passes (no accuracy gate):
 
-    python benchmarks/probe_batch1.py retinanet_adapter,head_packing,fp16,channels_last,inductor
+    python benchmarks/probe_batch1.py fixed_shape,head_packing,fp16,channels_last,inductor
     python benchmarks/probe_batch1.py PASSES --parts 3,5    # only some parts
 
 1. each kernel's device time with the op and input shapes that launched it (compiled, no
@@ -27,8 +27,8 @@ from bench_postprocess import graphed
 from bladesmith.artifact import OptimizedModule
 from bladesmith.bench import measure
 from bladesmith.config import Config
+from bladesmith.models.builtin import build_retinanet
 from bladesmith.models.images import sample_images
-from bladesmith.models.retinanet import build_retinanet
 from bladesmith.passes import Candidate, Context
 from bladesmith.passes.registry import create_all
 from bladesmith.runtimes.cuda_graph import CudaGraphRunner

@@ -52,11 +52,11 @@ def detections_through(model, photos, *pass_lists, device="cuda") -> list:
     """The detections of ``model`` on ``photos`` as a fixed-shape pipeline on ``device``,
     then through each list of passes in turn (applied in order, without the gate)."""
     from bladesmith.artifact import OptimizedModule
-    from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
+    from bladesmith.passes.fixed_shape import FixedShape
 
     images = [p.to(device) for p in photos]
     context = context_for((images,), device=device)
-    adapted = RetinaNetAdapter().apply(
+    adapted = FixedShape().apply(
         Candidate(copy.deepcopy(model).to(device), context.device), context
     )
     outputs = []
@@ -72,8 +72,8 @@ def detections_through(model, photos, *pass_lists, device="cuda") -> list:
 def tiny_detector():
     """A RetinaNet (ResNet-18 FPN, 3 classes) at IMAGE_SIZE with a realistic load, and
     one photograph for it."""
+    from bladesmith.models.builtin import build_retinanet
     from bladesmith.models.images import sample_images
-    from bladesmith.models.retinanet import build_retinanet
 
     model = build_retinanet(IMAGE_SIZE, backbone="resnet18", num_classes=3)
     return model, list(sample_images(1, IMAGE_SIZE))

@@ -9,7 +9,7 @@ from torch import nn
 import bladesmith
 from bladesmith.config import Config
 from bladesmith.errors import BladesmithError
-from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
+from bladesmith.passes.fixed_shape import FixedShape
 from bladesmith.verify import compare_detections, detection_score_tolerance
 from engine_testing import Memoized, cuda, tiny_detector
 
@@ -34,7 +34,7 @@ def detector():
         device="cpu",
         test_data=[(photos,)],
         config=QUICK,
-        passes=[RetinaNetAdapter(), Memoized()],
+        passes=[FixedShape(), Memoized()],
     )
     return optimized, spec, photos
 
@@ -50,7 +50,7 @@ def test_torchscript_round_trip_keeps_outputs_and_spec(tmp_path):
 
 def test_torchscript_detector_round_trip_returns_detections(tmp_path, detector):
     optimized, spec, photos = detector
-    assert spec.passes == ("retinanet_adapter", "memoized")
+    assert spec.passes == ("fixed_shape", "memoized")
     loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "detector.pt"))
     expected = optimized(photos)
     got = loaded(photos)

@@ -11,6 +11,7 @@ from torch import nn
 
 import bladesmith
 from bladesmith.config import Config
+from bladesmith.families.base import DetectionFamily
 from bladesmith.passes import Candidate, Pass, PassSkipped
 
 # Sleeps make speed differences that no machine load can invert.
@@ -270,7 +271,9 @@ def test_test_data_is_checked():
 
 def test_candidate_runner_args_batch_a_detectors_image_list():
     images = [torch.zeros(3, 8, 8), torch.ones(3, 8, 8)]
-    candidate = Candidate(module=nn.Identity(), device=torch.device("cpu"), padded_detections=True)
+    candidate = Candidate(
+        module=nn.Identity(), device=torch.device("cpu"), family=DetectionFamily()
+    )
     (batch,) = candidate.runner_args((images,))
     assert batch.shape == (2, 3, 8, 8) and torch.equal(batch[1], images[1])
     plain = Candidate(module=nn.Identity(), device=torch.device("cpu"))

@@ -13,10 +13,10 @@ from bladesmith.config import Config
 from bladesmith.passes import Candidate, Pass, registry
 from bladesmith.passes.channels_last import ChannelsLast
 from bladesmith.passes.cuda_graph import CudaGraph
+from bladesmith.passes.fixed_shape import FixedShape
 from bladesmith.passes.inductor import Inductor, compile_mode
 from bladesmith.passes.onnxruntime import OnnxRuntime
 from bladesmith.passes.precision import BFloat16, CastFloats, Float16
-from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
 from bladesmith.passes.torchscript import TorchScriptFreeze
 from bladesmith.runtimes.cuda_graph import CudaGraphRunner, _PackedOutputs
 from bladesmith.verify import compare_detections
@@ -73,7 +73,7 @@ def optimized_detector(retinanet, photos):
 
 def test_registry_lists_builtin_passes_in_order_and_refuses_duplicates():
     assert registry.names() == [
-        "retinanet_adapter",
+        "fixed_shape",
         "head_packing",
         "fp16",
         "bf16",
@@ -106,7 +106,7 @@ def test_registry_lists_builtin_passes_in_order_and_refuses_duplicates():
 
 def test_detector_keeps_torchvision_structure_and_detections(retinanet, photos, optimized_detector):
     optimized, spec, report, _ = optimized_detector
-    expected = ("retinanet_adapter", "norm_folding", "channels_last", "torchscript", "memoized")
+    expected = ("fixed_shape", "norm_folding", "channels_last", "torchscript", "memoized")
     assert spec.passes == expected, [(r.name, r.status, r.reason) for r in report.optimizations]
     assert spec.output == "detections" and spec.backend == "torchscript"
     assert optimized.candidate.runner_passes == ("torchscript", "memoized")
@@ -134,10 +134,12 @@ def test_detector_optimization_leaves_the_users_model_untouched(retinanet, optim
     assert all(p is not q for p in retinanet.parameters() for q in optimized.parameters())
 
 
-def test_retinanet_adapter_skips_other_models_and_mixed_sizes(retinanet):
-    adapter = RetinaNetAdapter()
+def test_fixed_shape_skips_other_models_and_mixed_sizes(retinanet):
+    adapter = FixedShape()
     plain = Candidate(module=conv_net(), device=torch.device("cpu"))
-    assert "not a torchvision RetinaNet" in adapter.skip_reason(plain, context_for(()))
+    assert "no family of bladesmith.families recognises" in adapter.skip_reason(
+        plain, context_for(())
+    )
     mixed = [([torch.rand(3, 128, 160)],), ([torch.rand(3, 96, 128)],)]
     context = context_for(mixed[0])
     context.test_args = mixed

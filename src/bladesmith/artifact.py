@@ -27,7 +27,7 @@ from bladesmith._files import write_atomically
 from bladesmith.bench import iter_tensors
 from bladesmith.devices import with_index
 from bladesmith.errors import BladesmithError
-from bladesmith.models.images import as_batch
+from bladesmith.families import Family, family_named
 from bladesmith.runtimes.onnxruntime import cpu_runner, export_onnx
 from bladesmith.runtimes.torchscript import freeze, quiet_torchscript
 from bladesmith.spec import AOTI_SUFFIX, SAVE_FORMATS, TORCHSCRIPT_SUFFIX, Spec
@@ -40,10 +40,12 @@ class OptimizedModule(nn.Module):
     """A drop-in replacement for the model given to ``optimize``: same call, same
     output structure. Inputs are moved to the module's device; grad is off.
 
-    For a detector (``padded_detections``) the fast path maps a batch [B, 3, H, W] to
-    padded (boxes, scores, labels, num_detections); ``output="native"`` returns
-    torchvision's list of {boxes, scores, labels} dicts from a list of images (or a
-    batch), ``output="padded"`` the padded tensors themselves (see ``as_padded``).
+    For a model of a known family (``family``, e.g. a detector) the fast path is the
+    family's fixed-shape pipeline, from a batch [B, 3, H, W] to padded tensors;
+    ``output="native"`` returns the model's own structure (``Family.to_user``: a
+    detector's list of {boxes, scores, labels} dicts) from the model's call (a list of
+    images, or a batch), ``output="padded"`` the padded tensors themselves (see
+    ``as_padded``).
 
     The module is fixed to the device, dtype and input shapes it was optimized for:
     converting it (``.to``, ``.half``, ...) is refused; optimize again instead.
@@ -55,33 +57,31 @@ class OptimizedModule(nn.Module):
         run: Callable,
         *,
         device: torch.device | str,
-        padded_detections: bool = False,
+        family: Family | None = None,
         output: str = "native",
         spec: Spec | None = None,
         candidate=None,
         example_args: tuple | None = None,
     ):
-        from bladesmith.models.retinanet import DetectionsAsList
-
         super().__init__()
         self._run = run
         self.device = torch.device(device)
         self._home = with_index(self.device)  # as tensors report it
-        self.padded_detections = padded_detections
+        self.family = family
         self.output = output
         self.spec = spec
         self.candidate = candidate  # the engine's Candidate; None for a loaded artifact
         self.example_args = example_args  # inputs in the fast path's form, for save()
         # Registered, so that parameters() and state_dict() show the weights.
         self.module = candidate.module if candidate is not None else None
-        self._as_list = DetectionsAsList(self._run_padded) if padded_detections else None
+        self._user_form = family.user_form(self._run) if family is not None else None
 
     @classmethod
     def from_candidate(cls, candidate, *, spec=None, output="native", example_args=None):
         return cls(
             candidate,
             device=candidate.device,
-            padded_detections=candidate.padded_detections,
+            family=candidate.family,
             output=output,
             spec=spec,
             candidate=candidate,
@@ -89,17 +89,20 @@ class OptimizedModule(nn.Module):
         )
 
     def as_padded(self) -> OptimizedModule:
-        """The same optimized detector returning padded tensors: ``forward(images
-        [B, 3, H, W] or list) -> (boxes [B, D, 4], scores [B, D], labels [B, D] int64,
-        num_detections [B] int64)``; slots past num_detections are padding (score 0,
-        label -1). One fixed shape and no host synchronisation: for serving and
-        capture."""
-        if not self.padded_detections:
-            raise BladesmithError("as_padded(): this optimized module is not a detector")
+        """The same optimized module returning its family's padded tensors (a detector:
+        ``forward(images [B, 3, H, W] or list) -> (boxes [B, D, 4], scores [B, D],
+        labels [B, D] int64, num_detections [B] int64)``; slots past num_detections are
+        padding, score 0, label -1). One fixed shape and no host synchronisation: for
+        serving and capture."""
+        if self.family is None:
+            raise BladesmithError(
+                "as_padded(): this optimized module has no padded form (no family of "
+                "bladesmith.families recognised the model)"
+            )
         return type(self)(
             self._run,
             device=self.device,
-            padded_detections=True,
+            family=self.family,
             output="padded",
             spec=self.spec,
             candidate=self.candidate,
@@ -110,14 +113,11 @@ class OptimizedModule(nn.Module):
         if not _all_on(self._home, (args, kwargs)):
             args, kwargs = pytree.tree_map(self._to_device, (args, kwargs))
         with torch.no_grad():
-            if not self.padded_detections:
+            if self.family is None:
                 return self._run(*args, **kwargs)
             if self.output == "padded":
-                return self._run_padded(*args, **kwargs)
-            return self._as_list(*args, **kwargs)
-
-    def _run_padded(self, images):
-        return self._run(as_batch(images))
+                return self._run(*self.family.pipeline_args(args))
+            return self._user_form(*args)
 
     def _to_device(self, value):
         if isinstance(value, torch.Tensor) and value.device != self.device:
@@ -308,7 +308,7 @@ def load(path: str | os.PathLike) -> OptimizedModule:
     return OptimizedModule(
         run,
         device=info["device"],
-        padded_detections=info["padded_detections"],
+        family=family_named(info["family"]) if info.get("family") else None,
         output=info["output"],
         spec=Spec.from_dict(info["spec"]),
     )
@@ -321,7 +321,7 @@ def _metadata(optimized: OptimizedModule) -> dict:
         "bladesmith_version": __version__,
         "torch_version": torch.__version__,
         "device": str(optimized.device),
-        "padded_detections": optimized.padded_detections,
+        "family": optimized.family.name if optimized.family is not None else None,
         "output": optimized.output,
         "spec": optimized.spec.to_dict(),
     }

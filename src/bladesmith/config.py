@@ -36,9 +36,10 @@ class Config:
     is kept only if it is at least ``min_speedup`` times faster than the best so far.
     Passes: ``include`` adds passes that the level leaves out, ``exclude`` removes
     passes; both by name (see ``bladesmith.passes.registry.names()``).
-    ``output="padded"`` makes a detector's optimized module take one batch tensor
-    [B, 3, H, W] and return (boxes, scores, labels, num_detections) padded to a fixed
-    size, instead of torchvision's list of dicts.
+    ``output="padded"`` makes the optimized module of a model that a family adapts
+    (``bladesmith.families``: a detector) take one batch tensor [B, 3, H, W] and return
+    the family's padded tensors (a detector's boxes, scores, labels, num_detections),
+    instead of the model's own structure.
     ``progress``: show a spinner during long steps; None shows it on a terminal.
     """
 

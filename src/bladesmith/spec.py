@@ -24,9 +24,10 @@ SAVE_FORMATS = {
     ONNX_SUFFIX: "ONNX for ONNX Runtime on the CPU (bladesmith.onnx.export)",
 }
 
-OUTPUT_DETECTIONS = "detections"  # torchvision's list of {boxes, scores, labels} dicts
-OUTPUT_PADDED = "padded"  # (boxes [B, D, 4], scores [B, D], labels [B, D], num_detections [B])
-OUTPUT_AS_MODEL = "as the model"  # whatever the model returned
+# What the optimized module returns: its family's padded tensors, or the model's own
+# structure (a family's ``user_output``, e.g. "detections", or whatever the model returned).
+OUTPUT_PADDED = "padded"  # the family's padded tensors (a detector's boxes, scores, ...)
+OUTPUT_AS_MODEL = "as the model"
 
 
 @dataclass(frozen=True)
@@ -34,13 +35,14 @@ class Spec:
     device: str
     dtype: str  # the arithmetic's dtype; float outputs are returned as float32 regardless
     input_shapes: tuple[tuple[int, ...], ...]  # tensors the fast path was built for
-    output: str  # OUTPUT_DETECTIONS, OUTPUT_PADDED or OUTPUT_AS_MODEL
+    output: str  # OUTPUT_PADDED, the family's user_output, or OUTPUT_AS_MODEL
     passes: tuple[str, ...]  # kept, in the order they apply
     backend: str  # what runs: "eager" or the pass that built the runner
     save_formats: tuple[str, ...]  # suffixes saved, loaded and verified, the best first
     untried_formats: dict[str, str] = dataclasses.field(default_factory=dict)  # suffix: why
     refused_formats: dict[str, str] = dataclasses.field(default_factory=dict)  # suffix: why
     tolerance: dict = dataclasses.field(default_factory=dict)  # rtol, atol, why
+    family: str | None = None  # the model's family (bladesmith.families), if one knew it
 
     @property
     def save_hint(self) -> str:

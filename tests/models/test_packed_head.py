@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 from bladesmith.config import Config
-from bladesmith.models import RetinaNetPipeline, build_retinanet
+from bladesmith.families.retinanet import FAMILY, RetinaNetPipeline
+from bladesmith.families.retinanet_head import PackedRetinaNetHead, pack_levels, packing_problem
+from bladesmith.models.builtin import build_retinanet
 from bladesmith.models.images import sample_images
-from bladesmith.models.packed_head import PackedRetinaNetHead, pack_levels, packing_problem
 from bladesmith.passes import Candidate, Context
 from bladesmith.passes.head_packing import HeadPacking
 
@@ -94,8 +95,8 @@ def test_pass_packs_a_copy_and_says_when_it_does_not_apply(model):
     context = Context(torch.device("cpu"), "o1", Config(), (images,), [(images,)])
     pipeline = RetinaNetPipeline(model, SIZE)
     packing = HeadPacking()
-    assert "retinanet_adapter" in packing.skip_reason(Candidate(model, context.device), context)
-    candidate = Candidate(pipeline, context.device, padded_detections=True)
+    assert "fixed_shape" in packing.skip_reason(Candidate(model, context.device), context)
+    candidate = Candidate(pipeline, context.device, family=FAMILY)
     assert packing.skip_reason(candidate, context) is None
     packed = packing.apply(candidate, context)
     assert not isinstance(pipeline.head, PackedRetinaNetHead)

@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from bladesmith.models import DetectionsAsList, RetinaNetPipeline, build_retinanet
+from bladesmith.families.base import DetectionsAsList
+from bladesmith.families.retinanet import RetinaNetPipeline
+from bladesmith.models.builtin import build_retinanet
 from bladesmith.models.images import sample_images
 from bladesmith.verify import compare_detections
 

@@ -14,8 +14,8 @@ from bladesmith.ops.build import unavailable
 from bladesmith.passes import Candidate
 from bladesmith.passes.channel_padding import ChannelPadded, ChannelPadding
 from bladesmith.passes.conv_fusion import ConvFusion, FusedConv2dReLU
+from bladesmith.passes.fixed_shape import FixedShape
 from bladesmith.passes.head_packing import HeadPacking
-from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
 from bladesmith.verify import compare_detections
 from engine_testing import context_for, cuda, detections_through, tiny_detector
 
@@ -90,7 +90,7 @@ def detector():
 def test_detector_with_a_packed_head_keeps_its_detections(detector):
     model, photos = detector
     context = context_for((photos,))
-    candidate = RetinaNetAdapter().apply(Candidate(copy.deepcopy(model), CPU), context)
+    candidate = FixedShape().apply(Candidate(copy.deepcopy(model), CPU), context)
     candidate = ChannelPadding().apply(HeadPacking().apply(candidate, context), context)
     # ResNet-18's stem; 3 classes x 9 anchors and 4 x 9 box deltas out.
     assert context.notes[-1] == (

@@ -17,8 +17,8 @@ from bladesmith.artifact import OptimizedModule
 from bladesmith.ops.build import unavailable
 from bladesmith.passes import Candidate
 from bladesmith.passes.conv_fusion import ConvFusion, FusedConv2dReLU, FusedResidualBlock, fuse
+from bladesmith.passes.fixed_shape import FixedShape
 from bladesmith.passes.head_packing import HeadPacking
-from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
 from bladesmith.verify import compare_detections
 from engine_testing import context_for, cuda, detections_through, randomize_norms, tiny_detector
 
@@ -145,7 +145,7 @@ def detector():
 def test_detector_with_a_packed_head_is_fused_where_both_heads_see_it(detector):
     model, photos = detector
     context = context_for((photos,))
-    candidate = RetinaNetAdapter().apply(Candidate(copy.deepcopy(model), context.device), context)
+    candidate = FixedShape().apply(Candidate(copy.deepcopy(model), context.device), context)
     packed = HeadPacking().apply(candidate, context)
     fused = ConvFusion().apply(packed, context)
     towers = (fused.module.head.cls_tower, fused.module.head.reg_tower)

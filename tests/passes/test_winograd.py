@@ -10,8 +10,8 @@ from torchvision.models.resnet import BasicBlock
 
 from bladesmith.ops.build import unavailable
 from bladesmith.passes import Candidate, PassSkipped, registry, winograd
+from bladesmith.passes.fixed_shape import FixedShape
 from bladesmith.passes.onnxruntime import OnnxRuntime
-from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
 from bladesmith.passes.torchscript import TorchScriptFreeze
 from bladesmith.passes.winograd import Winograd, WinogradConv2d
 from bladesmith.verify import compare_detections
@@ -173,14 +173,15 @@ def test_torchscript_runs_the_operator_and_exporters_see_a_convolution(winograd_
 
 
 def test_detector_with_winograd_then_torchscript_keeps_its_detections(winograd_wins):
+    from bladesmith.families.base import DetectionsAsList
+    from bladesmith.models.builtin import build_retinanet
     from bladesmith.models.images import sample_images
-    from bladesmith.models.retinanet import DetectionsAsList, build_retinanet
 
     size = (128, 160)
     model = build_retinanet(size, backbone="resnet18", num_classes=3)
     photos = list(sample_images(1, size))
     context = context_for((photos,))
-    adapted = RetinaNetAdapter().apply(Candidate(module=model, device=CPU), context)
+    adapted = FixedShape().apply(Candidate(module=model, device=CPU), context)
     switched = Winograd().apply(adapted, context)
     scripted = TorchScriptFreeze().apply(switched, context)
     head = switched.module.head.classification_head

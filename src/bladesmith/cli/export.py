@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 
 from bladesmith.cli.args import at_least, input_size
-from bladesmith.cli.models import BUILTIN_MODELS, DEFAULT_MODEL, MODEL_HELP
-
-DETECTION_OUTPUTS = ["boxes", "scores", "labels", "num_detections"]
+from bladesmith.cli.models import DEFAULT_MODEL, MODEL_HELP
 
 
 def add_parser(subparsers) -> None:
@@ -27,7 +25,7 @@ def add_parser(subparsers) -> None:
         description=(
             f"Export MODEL ({DEFAULT_MODEL}, or a TorchScript/torch.export file taking one "
             "image batch [N, 3, H, W] in [0, 1]) to the ONNX file OUT, checked with ONNX's "
-            "full checker. The built-in RetinaNet has random weights unless --weights "
+            "full checker. Built-in models have random weights unless --weights "
             "names a local state-dict file."
         ),
     )
@@ -92,11 +90,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load_model(args):
+    """The model to export, and its output names: a model that a family recognises (the
+    built-in RetinaNet) as the family's fixed-shape pipeline, with its outputs' names."""
     from bladesmith.cli.models import load_model
+    from bladesmith.families import family_of
 
     model = load_model(args.model, args.input_size, args.weights, args.num_classes)
-    if args.model not in BUILTIN_MODELS:
+    family = family_of(model)
+    if family is None:
         return model, None
-    from bladesmith.models.retinanet import RetinaNetPipeline
-
-    return RetinaNetPipeline(model, args.input_size).eval(), DETECTION_OUTPUTS
+    return family.adapt(model, args.input_size).eval(), list(family.output_names)

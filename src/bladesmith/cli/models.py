@@ -24,7 +24,7 @@ def model_or_file(name: str, input_size: tuple[int, int], weights=None, num_clas
     from bladesmith.errors import BladesmithError
 
     if name in BUILTIN_MODELS:
-        from bladesmith.models.retinanet import build_retinanet
+        from bladesmith.models.builtin import build_retinanet
 
         return build_retinanet(
             input_size, weights=weights, num_classes=num_classes, backbone=BUILTIN_MODELS[name]

@@ -25,7 +25,7 @@ def add_parser(subparsers) -> None:
         "optimize",
         help="optimize a model: baseline, passes, verified result, report",
         description=(
-            "Optimize the built-in RetinaNet (random weights unless --weights) or a "
+            "Optimize a built-in model (random weights unless --weights) or a "
             "TorchScript (.pt) / torch.export (.pt2) file on sample photographs, print the "
             "report, and optionally save the result (--out)."
         ),
@@ -49,10 +49,10 @@ def add_parser(subparsers) -> None:
 
     demo = subparsers.add_parser(
         "demo",
-        help="optimize the built-in RetinaNet on the best device here and print the report",
+        help=f"optimize {DEFAULT_MODEL} on the best device here and print the report",
         description=(
-            "The main job in one command: torchvision's RetinaNet (ResNet-50 FPN, random "
-            "weights calibrated to a trained model's load) on a real photograph, optimized "
+            f"The main job in one command: {DEFAULT_MODEL} (random weights calibrated to "
+            "a trained model's load) on a real photograph, optimized "
             "for the best device here. On a CPU, candidates are timed with 1 warm-up and 3 "
             "runs (--warmup/--iters for more)."
         ),
@@ -229,7 +229,9 @@ def _bench_one(path: str, warmup: int | None, iters: int | None) -> tuple[dict, 
     from bladesmith.bench import measure
     from bladesmith.config import Config
     from bladesmith.errors import BladesmithError
+    from bladesmith.families import family_named
     from bladesmith.models.images import sample_images
+    from bladesmith.spec import OUTPUT_PADDED
 
     artifact = bladesmith.load(path)
     spec = artifact.spec
@@ -240,7 +242,8 @@ def _bench_one(path: str, warmup: int | None, iters: int | None) -> tuple[dict, 
             "bench feeds one batch of images [B, 3, H, W]"
         )
     images = sample_images(shape[0], tuple(shape[2:]), device=artifact.device)
-    inputs = (list(images),) if spec.output == "detections" else (images,)
+    family = family_named(spec.family) if spec.family and spec.output != OUTPUT_PADDED else None
+    inputs = family.user_args(images) if family is not None else (images,)
     warmup, iters = Config(warmup=warmup, iters=iters).timing_counts(artifact.device.type)
     with torch.no_grad():
         outputs = artifact(*inputs)

@@ -96,7 +96,7 @@ def argument_tuples(test_data) -> list[tuple]:
     if test_data is None or isinstance(test_data, (torch.Tensor, str)) or not len(test_data):
         raise ValueError(
             "test_data: expected a non-empty list of sample inputs, one entry per call: a "
-            "tuple of arguments, or the single argument (a detector's: its list of images)"
+            "tuple of arguments, or the single argument (an image model's: its list of images)"
         )
     return [entry if isinstance(entry, tuple) else (entry,) for entry in test_data]
 

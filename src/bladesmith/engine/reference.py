@@ -54,14 +54,15 @@ def reference_under_noise(
 
 
 class Reference:
-    """The model's outputs on the test inputs; the tolerances of its float32 tensor
-    outputs, measured under float32 rounding noise (unless ``Config.atol`` sets them);
-    and, for a detector, its detections under rounding noise: those that rounding alone
-    flips are not held against a pass (run the first time a comparison fails without)."""
+    """The model's outputs on the test inputs, compared by its family (``family``, when
+    one recognised the model); the tolerances of its float32 tensor outputs, measured
+    under float32 rounding noise (unless ``Config.atol`` sets them); and, for outputs that
+    rounding can flip (detections), the same under rounding noise: what rounding alone
+    flips is not held against a pass (run the first time a comparison fails without)."""
 
-    def __init__(self, outputs: list, model: nn.Module, context: Context):
-        self.outputs, self.model, self.context = outputs, model, context
-        self.detects = contains_detections(outputs)
+    def __init__(self, outputs: list, model: nn.Module, context: Context, family=None):
+        self.outputs, self.model, self.context, self.family = outputs, model, context, family
+        self.flips = family is not None or contains_detections(outputs)
         self._noisy: list | None = None
         self.measured = None if context.config.atol is not None else self._measure()
 
@@ -123,8 +124,10 @@ class Reference:
         rtol, atol = tolerance["rtol"], tolerance["atol"]
         measured = dtype == torch.float32 and self.measured is not None
 
+        by = self.family.compare if self.family is not None else compare_outputs
+
         def compare(noisy) -> Comparison:
-            return compare_outputs(
+            return by(
                 self.outputs,
                 outputs,
                 noisy=noisy,
@@ -137,4 +140,4 @@ class Reference:
             )
 
         comparison = compare(())
-        return compare(self.noisy()) if self.detects and not comparison.passed else comparison
+        return compare(self.noisy()) if self.flips and not comparison.passed else comparison

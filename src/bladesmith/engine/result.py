@@ -17,7 +17,6 @@ from bladesmith.spec import (
     AOTI_SUFFIX,
     ONNX_SUFFIX,
     OUTPUT_AS_MODEL,
-    OUTPUT_DETECTIONS,
     OUTPUT_PADDED,
     TORCHSCRIPT_SUFFIX,
     Spec,
@@ -26,8 +25,8 @@ from bladesmith.spec import (
 
 def spec_of(best: Candidate, context: Context, saves_as: str | None) -> Spec:
     """The spec of ``best``; ``saves_as``: the save format of what its backend runs."""
-    if best.padded_detections:
-        output = OUTPUT_PADDED if context.config.output == "padded" else OUTPUT_DETECTIONS
+    if best.family is not None:
+        output = OUTPUT_PADDED if context.config.output == "padded" else best.family.user_output
     else:
         output = OUTPUT_AS_MODEL
     leaves = pytree.tree_leaves(best.runner_args(context.example_args))
@@ -39,6 +38,7 @@ def spec_of(best: Candidate, context: Context, saves_as: str | None) -> Spec:
         passes=best.applied,
         backend=best.backend,
         save_formats=_save_formats(best, context.device, saves_as),
+        family=best.family.name if best.family is not None else None,
     )
 
 

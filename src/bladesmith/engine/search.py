@@ -41,6 +41,7 @@ from bladesmith.engine.progress import Progress
 from bladesmith.engine.reference import Reference
 from bladesmith.engine.result import compatibility, diagnosis, spec_of, with_tried_formats
 from bladesmith.errors import describe
+from bladesmith.families import family_of
 from bladesmith.passes import registry
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, PassSkipped
@@ -121,7 +122,7 @@ def optimize(
 
     best = Candidate(module=working, device=device)
     with progress.step("running the model as given"):
-        reference = Reference(_outputs(best, context), working, context)
+        reference = Reference(_outputs(best, context), working, context, family_of(working))
     baseline = time_candidate(finish(best), "the model as given")
     best_timed = baseline
     records: list[PassRecord] = []
@@ -167,8 +168,11 @@ def optimize(
             judge=lambda outputs: reference.compare(outputs, best.dtype, config),
             tolerance=reference.tolerance(best.dtype, config),
         )
-    if config.output == "padded" and not best.padded_detections:
-        context.notes.append("output='padded' applies to detectors; outputs are the model's own")
+    if config.output == "padded" and best.family is None:
+        context.notes.append(
+            "output='padded' applies to models a family adapts to a fixed-shape pipeline "
+            "(bladesmith.families); outputs are the model's own"
+        )
     report = Report(
         software_context=software_context(),
         hardware_context=hardware_context(device),

@@ -10,19 +10,19 @@ from bladesmith.passes.channel_padding import ChannelPadding
 from bladesmith.passes.channels_last import ChannelsLast
 from bladesmith.passes.conv_fusion import ConvFusion
 from bladesmith.passes.cuda_graph import CudaGraph
+from bladesmith.passes.fixed_shape import FixedShape
 from bladesmith.passes.head_packing import HeadPacking
 from bladesmith.passes.inductor import Inductor
 from bladesmith.passes.norm_folding import NormFolding
 from bladesmith.passes.onnxruntime import OnnxRuntime
 from bladesmith.passes.precision import BFloat16, Float16
 from bladesmith.passes.registry import Context, Pass, PassSkipped, names, register
-from bladesmith.passes.retinanet_adapter import RetinaNetAdapter
 from bladesmith.passes.torchscript import TorchScriptFreeze
 from bladesmith.passes.winograd import Winograd
 
 # The order the built-in passes run in (module rewrites first, then what builds a runner).
 ORDER = (
-    RetinaNetAdapter,
+    FixedShape,
     HeadPacking,
     Float16,
     BFloat16,

@@ -1,7 +1,7 @@
 """Candidate: one version of the model that passes transform and the engine measures.
 
 A candidate has two forms. ``module`` is the eager ``nn.Module`` that passes rewrite
-(change its dtype, memory format, swap a detector's post-processing); it is never the
+(change its dtype, memory format, adapt it to its family's fixed-shape pipeline); it is never the
 user's model. ``runner`` is what runs, when a pass built one from the module (a
 compiled function, a frozen TorchScript module, an ONNX Runtime session, a CUDA graph);
 None means the module runs as is. A pass that rewrites the module drops the runner: a
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from bladesmith.models.images import as_batch
+from bladesmith.families.base import Family
 
 
 @dataclass(frozen=True)
@@ -26,9 +26,10 @@ class Candidate:
     device: torch.device
     dtype: torch.dtype = torch.float32  # what floating-point arithmetic runs in
     runner: Callable | None = None
-    # The runner takes one batch [B, 3, H, W] and returns padded detections (boxes,
-    # scores, labels, num_detections); users get torchvision's list of dicts.
-    padded_detections: bool = False
+    # The family whose fixed-shape pipeline the module is (None: the model's own form):
+    # the runner takes the family's pipeline inputs and returns its padded outputs,
+    # which users get back in the model's structure (Family.to_user).
+    family: Family | None = None
     module_passes: tuple[str, ...] = ()  # passes that shaped the module, in order
     runner_passes: tuple[str, ...] = ()  # passes that built the runner, in order
 
@@ -48,9 +49,9 @@ class Candidate:
 
     def runner_args(self, user_args: tuple) -> tuple:
         """The runner's inputs for the user's call ``model(*user_args)``."""
-        if not self.padded_detections:
+        if self.family is None:
             return tuple(user_args)
-        return (as_batch(user_args[0]),)
+        return self.family.pipeline_args(user_args)
 
     def with_module(self, module: nn.Module, name: str, **changes) -> Candidate:
         """A candidate whose module is ``module``, shaped by pass ``name``; no runner."""

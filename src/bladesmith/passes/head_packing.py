@@ -1,6 +1,7 @@
-"""head_packing: RetinaNet's head runs once over all pyramid levels packed into one
-canvas instead of once per level (``bladesmith.models.packed_head``): ten convolutions
-instead of fifty, each large enough to keep a GPU busy at batch 1."""
+"""head_packing: a detector's head runs once over all pyramid levels packed into one
+canvas instead of once per level (RetinaNet: ``families.retinanet_head``): ten
+convolutions instead of fifty, each large enough to keep a GPU busy at batch 1. The
+pipeline says whether it can (``packing_problem``) and does it (``pack_head``)."""
 
 from __future__ import annotations
 
@@ -11,23 +12,17 @@ from bladesmith.passes.registry import Context, Pass
 
 
 class HeadPacking(Pass):
-    """RetinaNet head over all levels at once, packed into one canvas."""
+    """Detection head over all levels at once, packed into one canvas (RetinaNet)."""
 
     name = "head_packing"
     # A GPU gains occupancy and launches; a CPU, busy either way, only pays for the gaps.
     devices = ("cuda",)
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
-        from bladesmith.models.packed_head import PackedRetinaNetHead, packing_problem
-        from bladesmith.models.retinanet import RetinaNetPipeline
-
-        module = candidate.module
-        if not isinstance(module, RetinaNetPipeline):
-            return "it packs the head of the fixed-shape RetinaNet pipeline (retinanet_adapter)"
-        if isinstance(module.head, PackedRetinaNetHead):
-            return "the head is already packed"
-        problem = packing_problem(module.head)
-        return None if problem is None else f"the head cannot be packed: {problem}"
+        problem = getattr(candidate.module, "packing_problem", None)
+        if problem is None:
+            return "it packs the head of a fixed-shape pipeline that has one (fixed_shape)"
+        return problem()
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
         module = copy.deepcopy(candidate.module)

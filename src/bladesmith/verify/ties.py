@@ -25,12 +25,8 @@ def excuse(
     (ref_boxes, ref_scores, ref_labels), (cand_boxes, cand_scores, cand_labels) = ref, cand
     ties = _tie_swaps(
         iou,
-        ref_labels,
-        cand_labels,
-        ref_scores,
-        cand_scores,
-        ref_matched,
-        cand_matched,
+        (ref_labels, ref_scores, ref_matched),
+        (cand_labels, cand_scores, cand_matched),
         tie_iou,
         tie_band,
     )
@@ -57,20 +53,12 @@ def excuse(
     return swapped, ref_excused, cand_excused
 
 
-def _tie_swaps(
-    iou,
-    ref_labels,
-    cand_labels,
-    ref_scores,
-    cand_scores,
-    ref_matched,
-    cand_matched,
-    tie_iou: float,
-    score_atol: float,
-) -> list[tuple[int, int]]:
+def _tie_swaps(iou, ref, cand, tie_iou: float, score_atol: float) -> list[tuple[int, int]]:
     """Pair unmatched detections that greedy NMS chose between on a near tie: same
-    label, overlapping by at least ``tie_iou``, scores within ``score_atol``. Marks the
-    pairs matched (in place) and returns them, (reference, candidate) indices."""
+    label, overlapping by at least ``tie_iou``, scores within ``score_atol``. ``ref`` and
+    ``cand`` are (labels, scores, matched) of each list. Marks the pairs matched (in
+    place) and returns them, (reference, candidate) indices."""
+    (ref_labels, ref_scores, ref_matched), (cand_labels, cand_scores, cand_matched) = ref, cand
     pairs = []
     if score_atol <= 0:
         return pairs

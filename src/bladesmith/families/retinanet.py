@@ -1,4 +1,5 @@
-"""torchvision RetinaNet as a fixed-shape pipeline, with bladesmith post-processing.
+"""The RetinaNet family: torchvision's RetinaNet as a fixed-shape pipeline, with
+bladesmith's post-processing.
 
 torchvision's eager RetinaNet resizes and batches images in Python, computes anchors on
 every call, and post-processes with data-dependent sizes and host synchronisations. For
@@ -12,100 +13,19 @@ captured in one CUDA graph.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bladesmith.models.images import as_batch, sample_images
-from bladesmith.models.packed_head import PackedRetinaNetHead
+from bladesmith.families.base import DetectionFamily
+from bladesmith.families.retinanet_head import PackedRetinaNetHead, packing_problem
 from bladesmith.ops import load_library
 
-BACKBONES = ("resnet50", "resnet18")
-# Each level of a realistically loaded model keeps at least this many candidates over
-# the score threshold (a trained RetinaNet on a busy image keeps well over 1,000).
-_REALISTIC_CANDIDATES = 1200
-# Spread of random-weight logits after calibration: with it the kept detections score
-# from about 0.8 to 0.96, spread as a trained model's are; a wider spread pushes them
-# all to 0.999+, where float16 cannot tell them apart.
-_REALISTIC_LOGIT_STD = 1.0
-_CALIBRATION_PHOTOS = 3
 _FLOAT32_BUFFERS = ("anchors", "box_scale")
-
-
-def build_retinanet(
-    image_size: tuple[int, int] = (480, 640),
-    weights: str | Path | None = None,
-    realistic_load: bool = True,
-    num_classes: int = 91,
-    backbone: str = "resnet50",
-    seed: int = 0,
-) -> nn.Module:
-    """A torchvision RetinaNet in eval mode whose transform keeps ``image_size`` as is.
-
-    ``weights`` is a local state-dict file (nothing is downloaded); without it the
-    weights are random (seeded, so every call builds the same model) and, with
-    ``realistic_load``, the classification layer is calibrated on real photographs so
-    that at least 1,200 candidates per level pass the score threshold, spread over a
-    trained model's range of scores: post-processing then works as hard as it does
-    for a trained model on a busy image.
-    """
-    from torchvision.models import resnet18
-    from torchvision.models.detection import retinanet_resnet50_fpn
-    from torchvision.models.detection.backbone_utils import _resnet_fpn_extractor
-    from torchvision.models.detection.retinanet import RetinaNet
-    from torchvision.ops.feature_pyramid_network import LastLevelP6P7
-
-    if backbone not in BACKBONES:
-        raise ValueError(f"backbone must be one of {', '.join(BACKBONES)}; got {backbone!r}")
-    height, width = _check_image_size(image_size)
-    # min_size/max_size equal to the image's sides make the transform's resize a no-op.
-    sizes = {"min_size": min(height, width), "max_size": max(height, width)}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        if backbone == "resnet50":
-            model = retinanet_resnet50_fpn(
-                weights=None, weights_backbone=None, num_classes=num_classes, **sizes
-            )
-        else:
-            body = _resnet_fpn_extractor(
-                resnet18(), 5, returned_layers=[2, 3, 4], extra_blocks=LastLevelP6P7(256, 256)
-            )
-            model = RetinaNet(body, num_classes, **sizes)
-    model.eval()
-    if weights is not None:
-        state = torch.load(Path(weights), map_location="cpu", weights_only=True)
-        model.load_state_dict(state)
-    elif realistic_load:
-        calibrate_for_realistic_load(model, (height, width))
-    return model
-
-
-@torch.no_grad()
-def calibrate_for_realistic_load(model: nn.Module, image_size: tuple[int, int]) -> None:
-    """Scale and shift the classification layer of a random-weight RetinaNet so that
-    every level keeps at least 1,200 candidates over the score threshold on real
-    photographs, with logits spread like a trained model's."""
-    pipeline = RetinaNetPipeline(model, image_size)
-    cls_layer = model.head.classification_head.cls_logits
-    cls_layer.bias.zero_()
-    raw = pipeline.head_outputs(sample_images(_CALIBRATION_PHOTOS, image_size))[0]
-    scale = _REALISTIC_LOGIT_STD / raw.std().clamp_min(1e-12)
-    cls_layer.weight.mul_(scale)
-    raw = raw * scale
-    threshold_logit = math.log(model.score_thresh / (1.0 - model.score_thresh))
-    # The shared bias must lift the k-th largest raw logit of the sparsest level, on
-    # every photograph, over the threshold; a small margin keeps it there for others.
-    kth_largest = min(
-        level.flatten(1)
-        .topk(min(_REALISTIC_CANDIDATES, level[0].numel()))
-        .values[:, -1]
-        .min()
-        .item()
-        for level in raw.split(pipeline.level_sizes, dim=1)
-    )
-    cls_layer.bias.fill_(threshold_logit - kth_largest + 0.25)
+# A trained RetinaNet on a busy image keeps more than this many candidates per level
+# over the score threshold; fewer means post-processing is timed under a light load.
+REALISTIC_CANDIDATES = 1000
 
 
 class RetinaNetPipeline(nn.Module):
@@ -124,7 +44,7 @@ class RetinaNetPipeline(nn.Module):
     def __init__(self, model: nn.Module, image_size: tuple[int, int]):
         super().__init__()
         _check_retinanet(model)
-        height, width = _check_image_size(image_size)
+        height, width = check_image_size(image_size)
         load_library()  # forward calls torch.ops.bladesmith
         transform = model.transform
         self.backbone = model.backbone
@@ -199,6 +119,13 @@ class RetinaNetPipeline(nn.Module):
         ValueError for heads that cannot be packed."""
         self.head = PackedRetinaNetHead(self.head, self.grid_sizes).to(self.anchors.device)
 
+    def packing_problem(self) -> str | None:
+        """Why ``pack_head`` cannot run here, or None."""
+        if isinstance(self.head, PackedRetinaNetHead):
+            return "the head is already packed"
+        problem = packing_problem(self.head)
+        return None if problem is None else f"the head cannot be packed: {problem}"
+
     def head_outputs(
         self, images: torch.Tensor, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,40 +173,6 @@ class RetinaNetPipeline(nn.Module):
             int(level.flatten(1).sum(1).min().item())
             for level in passing.split(self.level_sizes, dim=1)
         ]
-
-
-class DetectionsAsList(nn.Module):
-    """The drop-in form of a padded detector: ``forward(images: list[Tensor]) ->
-    list[dict(boxes, scores, labels)]``, as torchvision's detectors return in eval mode.
-
-    ``padded`` is any module or callable that maps a batch [B, 3, H, W] to (boxes,
-    scores, labels, num_detections); its outputs are sliced by ``num_detections``
-    (one host synchronisation, after all the device work) and returned in float32.
-    """
-
-    def __init__(self, padded):
-        super().__init__()
-        self.padded = padded
-
-    def forward(self, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        if not (isinstance(images, torch.Tensor) and images.dim() == 4):
-            shapes = {tuple(image.shape) for image in images}
-            if len(shapes) > 1:
-                raise ValueError(
-                    "images: expected images of one size (the size the model was optimized "
-                    f"for), got sizes {sorted(shapes)}"
-                )
-        boxes, scores, labels, num_detections = self.padded(as_batch(images))
-        # Converted before the host waits for the counts, while the device still works.
-        boxes, scores = _as_float32(boxes), _as_float32(scores)
-        return [
-            {"boxes": boxes[i, :n], "scores": scores[i, :n], "labels": labels[i, :n]}
-            for i, n in enumerate(num_detections.tolist())
-        ]
-
-
-def _as_float32(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype == torch.float32 else x.float()
 
 
 def level_outputs(head: nn.Module, features: list[torch.Tensor]):
@@ -348,7 +241,7 @@ def _check_retinanet(model: nn.Module) -> None:
         raise ValueError("model: expected a model in eval mode (call model.eval() first)")
 
 
-def _check_image_size(image_size) -> tuple[int, int]:
+def check_image_size(image_size) -> tuple[int, int]:
     try:
         height, width = (int(s) for s in image_size)
     except (TypeError, ValueError):
@@ -379,3 +272,39 @@ def _static_anchors(model: nn.Module, padded_size, resized_size):
     per_location = model.anchor_generator.num_anchors_per_location()
     level_sizes = [h * w * a for (h, w), a in zip(grid_sizes, per_location)]
     return anchors.to(parameter.device), grid_sizes, level_sizes
+
+
+class RetinaNetFamily(DetectionFamily):
+    """torchvision's RetinaNet: ``RetinaNetPipeline``, bladesmith's decode + NMS."""
+
+    name = "retinanet"
+
+    def detects(self, model) -> bool:
+        return is_retinanet(model)
+
+    def adapt(self, model: nn.Module, image_size: tuple[int, int]) -> nn.Module:
+        return RetinaNetPipeline(model, image_size)
+
+    def load_note(self, pipeline: RetinaNetPipeline, batch: torch.Tensor) -> str:
+        """Whether post-processing works as hard as for a trained model on a busy image:
+        at least 1,000 candidates on each level (or all of a level's anchors x classes)."""
+        per_level = pipeline.candidates_per_level(batch)
+        num_classes = pipeline.head.classification_head.num_classes
+        capacity = [size * num_classes for size in pipeline.level_sizes]
+        counts = ", ".join(f"{n:,}" for n in per_level)
+        if all(n >= min(REALISTIC_CANDIDATES, c) for n, c in zip(per_level, capacity)):
+            verdict = (
+                f"at least {REALISTIC_CANDIDATES:,} on every level (or all its anchors), a "
+                "trained model's load on a busy image: post-processing is timed under "
+                "realistic load"
+            )
+        else:
+            verdict = (
+                f"fewer than {REALISTIC_CANDIDATES:,} on some level: post-processing is timed "
+                "under a lighter load than a trained model's on a busy image (random weights? "
+                "build_retinanet(realistic_load=True) calibrates them)"
+            )
+        return f"RetinaNet candidates over the score threshold per level: {counts}; {verdict}"
+
+
+FAMILY = RetinaNetFamily()
