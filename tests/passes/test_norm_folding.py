@@ -10,6 +10,7 @@ from torchvision.models import resnet18, resnet50
 from torchvision.models._utils import IntermediateLayerGetter
 from torchvision.models.resnet import Bottleneck
 
+from bladesmith.engine.reference import reference_under_noise
 from bladesmith.passes import Candidate
 from bladesmith.passes.norm_folding import NormFolding
 from bladesmith.verify import compare_detections
@@ -144,5 +145,8 @@ def test_detector_keeps_its_detections():
     model, photos = tiny_detector()
     randomize_norms(model)
     adapted, folded = detections_through(model, photos, [], [NormFolding()], device="cpu")
-    result = compare_detections(adapted, folded, iou_threshold=0.99, min_f1=0.99)
+    # As optimize's gate judges it: a fold rounds weights differently, which can swap
+    # detections tied at a cut; the model's own runs under rounding noise show which.
+    noisy = [run[0] for run in reference_under_noise(model.eval(), [(photos,)])]
+    result = compare_detections(adapted, folded, iou_threshold=0.99, min_f1=0.99, noisy=noisy)
     assert result.passed, result.summary()
