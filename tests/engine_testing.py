@@ -96,3 +96,10 @@ class Memoized(Pass):
             )
 
         return candidate.with_runner(replay, self.name, wraps=True)
+
+
+def conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3)
+    ).eval()

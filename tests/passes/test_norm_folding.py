@@ -143,7 +143,11 @@ def test_leaves_norms_it_cannot_fold_and_skips_models_without_any():
 
 def test_detector_keeps_its_detections():
     model, photos = tiny_detector()
-    randomize_norms(model)
+    # The same norms in any test order: some draws leave near ties that NMS resolves
+    # either way after any rounding change, which this strict comparison counts.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        randomize_norms(model)
     adapted, folded = detections_through(model, photos, [], [NormFolding()], device="cpu")
     # As optimize's gate judges it: a fold rounds weights differently, which can swap
     # detections tied at a cut; the model's own runs under rounding noise show which.

@@ -1,4 +1,5 @@
-"""The onnxruntime pass: a drop-in for any batch size, whatever batch it was built on."""
+"""The onnxruntime pass: the module's output structure survives the export, and the result
+is a drop-in for any batch size, whatever batch it was built on."""
 
 from __future__ import annotations
 
@@ -75,3 +76,15 @@ def test_multi_head_attention_exports_without_its_fused_fast_path():
     with torch.no_grad():
         torch.testing.assert_close(candidate(x), net(x), rtol=1e-4, atol=1e-5)
     assert torch.backends.mha.get_fastpath_enabled()  # restored after the export
+
+
+def test_onnxruntime_keeps_the_output_structure():
+    class TwoOutputs(nn.Module):
+        def forward(self, x):
+            return {"double": x * 2, "pair": (x + 1, x.sum(dim=1))}
+
+    x = torch.randn(2, 3)
+    candidate = Candidate(module=TwoOutputs(), device=torch.device("cpu"))
+    out = OnnxRuntime().apply(candidate, context_for((x,)))(x)
+    torch.testing.assert_close(out["double"], x * 2)
+    torch.testing.assert_close(out["pair"][1], x.sum(dim=1))

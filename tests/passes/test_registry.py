@@ -1,0 +1,40 @@
+"""The pass registry: the built-in passes in ORDER, duplicates and bad levels refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from bladesmith.passes import Pass, registry
+
+
+def test_registry_lists_builtin_passes_in_order_and_refuses_duplicates():
+    assert registry.names() == [
+        "fixed_shape",
+        "head_packing",
+        "fp16",
+        "bf16",
+        "winograd",
+        "norm_folding",
+        "channels_last",
+        "conv_fusion",
+        "channel_padding",
+        "inductor",
+        "cuda_graph",
+        "torchscript",
+        "onnxruntime",
+    ]
+    summaries = {name: summary for name, _, _, summary in registry.describe()}
+    assert all(summaries.values()), summaries
+
+    class Impostor(Pass):
+        name = "fp16"
+
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(Impostor)
+
+    class BadLevel(Pass):
+        name = "bad_level"
+        levels = ("o9",)
+
+    with pytest.raises(ValueError, match="unknown levels"):
+        registry.register(BadLevel)
