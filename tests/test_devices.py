@@ -195,3 +195,12 @@ def test_real_cuda_device():
     first = available_devices()[0]
     assert first.kind == "cuda" and first.total_memory > 0
     assert resolve_device(first.name) == torch.device(first.name)
+
+
+def test_gpu_is_pai_blade_s_name_for_cuda(machine):
+    machine(cuda=2)
+    assert resolve_device("gpu") == torch.device("cuda")
+    assert resolve_device("GPU:1") == torch.device("cuda", 1)
+    machine(cuda=0)
+    with pytest.raises(DeviceUnavailableError, match="cuda"):
+        resolve_device("gpu")

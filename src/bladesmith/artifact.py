@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -129,6 +130,27 @@ class OptimizedModule(nn.Module):
             return value.to(self.device)
         return value
 
+    def save(self, path, _extra_files=None) -> None:
+        """What ``torch.jit.save(optimized, path)`` calls, as code written for PAI-Blade
+        does: the frozen TorchScript file ``bladesmith.save`` writes (``torch.jit.load``
+        reads it), where saving it as TorchScript was verified; else an error naming
+        ``bladesmith.save`` and the formats that apply."""
+        spec = self.spec
+        if self.candidate is None or spec is None:
+            raise BladesmithError(
+                "torch.jit.save: a loaded artifact is already saved: copy its file"
+            )
+        if _extra_files:
+            raise BladesmithError("torch.jit.save: _extra_files are not kept; bladesmith.save")
+        if TORCHSCRIPT_SUFFIX not in spec.save_formats:
+            why = spec.refused_formats.get(TORCHSCRIPT_SUFFIX, "TorchScript was not verified")
+            formats = ", ".join(spec.save_formats) or "none"
+            raise BladesmithError(
+                f"torch.jit.save: this optimized module cannot be saved as TorchScript ({why}); "
+                f"use bladesmith.save(optimized, path) with a path ending in: {formats}"
+            )
+        write(self, Path(path), TORCHSCRIPT_SUFFIX)
+
     def _apply(self, fn, recurse=True):
         raise BladesmithError(
             f"an optimized module is fixed to {self.device} and the dtypes it was "
@@ -153,8 +175,11 @@ def save(optimized: OptimizedModule, path: str | os.PathLike, *, inductor_config
     The suffix picks the format: ``.pt2`` (AOTInductor package; ``inductor_configs``
     are passed to ``aoti_compile_and_package``, e.g. ``{"max_autotune": True}``),
     ``.pt`` (frozen TorchScript) or ``.onnx`` (ONNX Runtime, CPU).
-    ``optimized.spec.save_formats`` lists those that apply; the first is the one
-    closest to what runs in memory.
+    ``optimized.spec.save_formats`` lists those that optimize saved, loaded and verified,
+    the one closest to what runs in memory first. A format in ``spec.untried_formats`` is
+    written, loaded back and compared with the optimized module at the spec's tolerance;
+    when its outputs differ it is deleted and the error says so. A format in
+    ``spec.refused_formats`` is refused with its reason.
     """
     path = Path(path)
     if not isinstance(optimized, OptimizedModule) or optimized.candidate is None:
@@ -162,17 +187,32 @@ def save(optimized: OptimizedModule, path: str | os.PathLike, *, inductor_config
             "save: expected the module returned by bladesmith.optimize, got "
             f"{type(optimized).__name__} (a loaded artifact is already saved: copy its file)"
         )
-    formats = optimized.spec.save_formats
-    if path.suffix not in formats:
-        known = ", ".join(f"{suffix} ({SAVE_FORMATS[suffix]})" for suffix in formats)
+    spec = optimized.spec
+    if path.suffix in spec.refused_formats:
+        raise BladesmithError(f"save: {path.suffix} refused: {spec.refused_formats[path.suffix]}")
+    allowed = (*spec.save_formats, *spec.untried_formats)
+    if path.suffix not in allowed:
+        known = ", ".join(f"{suffix} ({SAVE_FORMATS[suffix]})" for suffix in allowed)
         raise BladesmithError(f"save: path {str(path)!r} must end with one of: {known}")
+    write(optimized, path, inductor_configs=inductor_configs)
+    if path.suffix in spec.untried_formats:
+        problem = reload_problem(optimized, path)
+        if problem is not None:
+            path.unlink(missing_ok=True)
+            raise BladesmithError(f"save: {path} was not kept: {problem}")
+    return path
+
+
+def write(optimized: OptimizedModule, path: Path, form: str = "", *, inductor_configs=None) -> None:
+    """Write ``optimized`` in format ``form`` (a suffix; default ``path``'s), unchecked."""
     module, args = optimized.candidate.module, optimized.example_args
+    form = form or path.suffix
     operators = libraries.operators_called(module, args)
-    if path.suffix == AOTI_SUFFIX:
+    if form == AOTI_SUFFIX:
         _check_fake_kernels(operators, path)
     metadata = _metadata(optimized)
     metadata["libraries"] = libraries.store(libraries.libraries_of(operators), path)
-    if path.suffix == AOTI_SUFFIX:
+    if form == AOTI_SUFFIX:
         exported = torch.export.export(module, args, strict=False)
         configs = {
             **(inductor_configs or {}),
@@ -184,7 +224,7 @@ def save(optimized: OptimizedModule, path: str | os.PathLike, *, inductor_config
                 exported, package_path=str(temporary), inductor_configs=configs
             ),
         )
-    elif path.suffix == TORCHSCRIPT_SUFFIX:
+    elif form == TORCHSCRIPT_SUFFIX:
         frozen = freeze(module, args)
         extra = {_TORCHSCRIPT_EXTRA: json.dumps(metadata)}
         with quiet_torchscript():
@@ -193,7 +233,55 @@ def save(optimized: OptimizedModule, path: str | os.PathLike, *, inductor_config
             )
     else:
         write_atomically(path, lambda temporary: _write_onnx(module, args, temporary, metadata))
-    return path
+
+
+def reload_problem(optimized: OptimizedModule, path: Path) -> str | None:
+    """Why the artifact at ``path`` is not ``optimized`` (it does not load, or its outputs
+    on the example input differ past the spec's tolerance), or None when it is."""
+    from bladesmith.verify import compare_outputs
+
+    try:
+        loaded = load(path)
+        got = loaded(*optimized.example_args)
+    except Exception as error:
+        return f"it does not load back ({type(error).__name__}: {error})"
+    tolerance = optimized.spec.tolerance
+    comparison = compare_outputs(
+        optimized(*optimized.example_args),
+        got,
+        rtol=tolerance.get("rtol"),
+        atol=tolerance.get("atol"),
+    )
+    return None if comparison.passed else f"loaded back, its outputs differ: {comparison.summary()}"
+
+
+def try_formats(
+    optimized: OptimizedModule, formats, test_args: list[tuple], judge: Callable
+) -> tuple[tuple[str, ...], dict[str, str]]:
+    """Save ``optimized`` in each of ``formats``, load it back and run it on every test
+    input: (the formats whose outputs ``judge`` passes, in order; {suffix: why} for the
+    others). ``judge(outputs)`` returns a ``verify.Comparison``."""
+    tried, refused = [], {}
+    with tempfile.TemporaryDirectory(prefix="bladesmith-save-") as directory:
+        for suffix in formats:
+            path = Path(directory) / f"model{suffix}"
+            try:
+                write(optimized, path)
+                loaded = load(path)
+                outputs = [loaded(*args) for args in test_args]
+            except Exception as error:
+                text = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+                refused[suffix] = f"saving it and loading it back failed ({text})"
+                continue
+            comparison = judge(outputs)
+            if comparison.passed:
+                tried.append(suffix)
+            else:
+                refused[suffix] = (
+                    f"saved and loaded back, its outputs moved past tolerance "
+                    f"({comparison.summary()})"
+                )
+    return tuple(tried), refused
 
 
 def load(path: str | os.PathLike) -> OptimizedModule:

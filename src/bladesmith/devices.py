@@ -24,7 +24,8 @@ from bladesmith.errors import DeviceUnavailableError
 KINDS = ("cuda", "dml", "mps", "cpu")  # also the order "auto" tries them in
 _KIND_OF_TORCH_TYPE = {"cuda": "cuda", "privateuseone": "dml", "mps": "mps", "cpu": "cpu"}
 _NAME = re.compile(r"(?P<kind>[a-z]+)(?::(?P<index>\d+))?")
-_EXPECTED = "'auto', 'cuda', 'cuda:N', 'dml', 'dml:N', 'mps', 'cpu' or a torch.device"
+_EXPECTED = "'auto', 'cuda', 'cuda:N', 'gpu', 'dml', 'dml:N', 'mps', 'cpu' or a torch.device"
+_ALIASES = {"gpu": "cuda"}  # PAI-Blade's device_type names a GPU "gpu"
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def _parse(device: str | torch.device) -> tuple[str, int | None]:
         kind, index = _KIND_OF_TORCH_TYPE.get(device.type), device.index
     elif isinstance(device, str):
         match = _NAME.fullmatch(device.strip().lower())
-        kind = match and match["kind"]
+        kind = match and _ALIASES.get(match["kind"], match["kind"])
         index = int(match["index"]) if match and match["index"] else None
     else:
         raise DeviceUnavailableError(

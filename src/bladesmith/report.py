@@ -90,6 +90,7 @@ class Report:
     model_info: dict = field(default_factory=dict)
     compatibility_list: list[dict] = field(default_factory=list)
     model_sdk: dict = field(default_factory=dict)
+    tolerance: dict = field(default_factory=dict)  # rtol, atol and why, of the outputs
 
     def __post_init__(self):
         self.baseline = _as_dict(self.baseline)
@@ -146,6 +147,7 @@ class Report:
                 "model_info": self.model_info,
                 "compatibility_list": self.compatibility_list,
                 "model_sdk": self.model_sdk,
+                "tolerance": self.tolerance,
                 "timing_method": self.timing_method,
                 "throughput": self.throughput,
             }
@@ -168,7 +170,12 @@ class Report:
             model_info=dict(data.get("model_info") or {}),
             compatibility_list=list(data.get("compatibility_list") or []),
             model_sdk=dict(data.get("model_sdk") or {}),
+            tolerance=dict(data.get("tolerance") or {}),
         )
+
+    def __str__(self) -> str:
+        """The JSON report, as PAI-Blade's ``print(report)`` shows it."""
+        return self.to_json()
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         """The report as JSON; also written to ``path`` when given (atomically)."""

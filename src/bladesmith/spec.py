@@ -1,8 +1,12 @@
 """Spec: what ``optimize`` produced, in a few fields (PAI-Blade returns one too).
 
 It says where the optimized module runs (device, dtype), on what (the input shapes it
-was built and verified for), what it returns, which passes shaped it, and how to save
-it. ``to_dict()`` is JSON-ready.
+was built and verified for), what it returns, which passes shaped it, the tolerance its
+outputs were verified at, and how to save it: ``save_formats`` are those that were
+saved, loaded back and gave outputs within that tolerance during ``optimize``;
+``untried_formats`` those too long to build then (``bladesmith.save`` builds them and
+checks them the same way); ``refused_formats`` the others, each with why.
+``to_dict()`` is JSON-ready.
 """
 
 from __future__ import annotations
@@ -34,13 +38,17 @@ class Spec:
     output: str  # OUTPUT_PADDED, the family's user_output, or OUTPUT_AS_MODEL
     passes: tuple[str, ...]  # kept, in the order they apply
     backend: str  # what runs: "eager" or the pass that built the runner
-    save_formats: tuple[str, ...]  # suffixes ``bladesmith.save`` can write this module as
+    save_formats: tuple[str, ...]  # suffixes saved, loaded and verified, the best first
+    untried_formats: dict[str, str] = dataclasses.field(default_factory=dict)  # suffix: why
+    refused_formats: dict[str, str] = dataclasses.field(default_factory=dict)  # suffix: why
+    tolerance: dict = dataclasses.field(default_factory=dict)  # rtol, atol, why
     family: str | None = None  # the model's family (bladesmith.families), if one knew it
 
     @property
     def save_hint(self) -> str:
         if not self.save_formats:
-            return "this module cannot be saved (TorchScript input: save it with torch.jit.save)"
+            refused = "; ".join(f"{k}: {why}" for k, why in self.refused_formats.items())
+            return f"no format was saved and loaded with the same outputs ({refused})"
         suffix = self.save_formats[0]
         return f'bladesmith.save(optimized, "model{suffix}"): {SAVE_FORMATS[suffix]}'
 

@@ -50,3 +50,19 @@ def test_default_score_tolerance_follows_the_scores_dtype():
 def test_detection_score_tolerance_has_a_floor_for_tf32():
     assert detection_score_tolerance(torch.float32) == 5e-3
     assert detection_score_tolerance(torch.float16) == pytest.approx(1.1e-2)
+
+
+def test_noise_tolerances_are_ten_times_the_spread_never_below_rounding_at_scale():
+    from bladesmith.verify import noise_tolerances
+
+    reference = {"out[0]": torch.tensor([1.0, -2.0]), "out[1]": torch.tensor([4.0, 0.0])}
+    runs = [
+        {"out[0]": torch.tensor([1.0 + 1e-6, -2.0]), "out[1]": torch.tensor([4.0, 0.0])},
+        {"out[0]": torch.tensor([1.0, -2.0 - 3e-6]), "out[1]": torch.tensor([4.0, 0.0])},
+    ]
+    measured = noise_tolerances(reference, runs, rtol=1e-4, unit=2.0**-23, unit_name="float32")
+    assert measured.tolerances["out[0]"].atol == pytest.approx(10 * 3e-6, rel=0.05)
+    # Unmoved by the noise: rounding at the output's own scale (4), ten times.
+    assert measured.tolerances["out[1]"].atol == pytest.approx(10 * 4 * 2.0**-23)
+    assert measured.atol == measured.tolerances["out[0]"].atol and measured.rtol == 1e-4
+    assert "10 x the most (3.1e-06)" in measured.why

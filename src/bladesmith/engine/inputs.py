@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from bladesmith._files import contents, first_line, unreadable
+from bladesmith.devices import device_kind
 from bladesmith.runtimes.torchscript import quiet_torchscript
 from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX
 
@@ -93,6 +94,18 @@ def load_model_file(path) -> nn.Module:
             f"({first_line(error)}); save one with torch.jit.save(torch.jit.script(model), "
             "path), or pass the nn.Module from Python"
         ) from error
+
+
+def device_argument(device, device_type: str | None):
+    """``device``, or PAI-Blade's ``device_type`` when only that was given."""
+    if device_type is None:
+        return device
+    if device != "auto" and device_kind(device) != device_kind(device_type):
+        raise ValueError(
+            f"device={device!r} and device_type={device_type!r} disagree: device_type is "
+            "PAI-Blade's name for device; give one of them"
+        )
+    return device_type
 
 
 def argument_tuples(test_data) -> list[tuple]:

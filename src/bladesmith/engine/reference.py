@@ -1,5 +1,7 @@
 """The reference: the model as given, its outputs on the test inputs, and the same under
-rounding noise, against which every candidate is verified."""
+rounding noise, against which every candidate is verified: the spread of its float32
+outputs under float32 rounding sets their tolerance (``verify.tolerance``), a detector's
+detections under fp16/TF32 rounding say which flips rounding alone makes."""
 
 from __future__ import annotations
 
@@ -14,15 +16,20 @@ from bladesmith.errors import describe
 from bladesmith.passes.registry import Context
 from bladesmith.verify import (
     Comparison,
+    NoiseTolerances,
     compare_outputs,
     contains_detections,
     default_tolerance,
     detection_score_tolerance,
+    noise_tolerances,
+    rounding_unit,
+    tensor_paths,
 )
+from bladesmith.verify.tolerance import NOISE_RUNS, TF32_NOISE
 
-# Rounding noise to probe a model with: each weight moved by about float16's (and TF32's)
-# unit roundoff, 2^-11 of itself.
-ROUNDING_NOISE = 2.0**-11
+# Rounding noise to probe a detector with: each weight moved by about float16's (and
+# TF32's) unit roundoff, 2^-11 of itself.
+ROUNDING_NOISE = TF32_NOISE
 
 
 @torch.no_grad()
@@ -48,14 +55,52 @@ def reference_under_noise(
 
 class Reference:
     """The model's outputs on the test inputs, compared by its family (``family``, when
-    one recognised the model) and, for outputs that rounding can flip (detections),
-    the same under rounding noise: what rounding alone flips is not held against a
-    pass. The noisy runs are made the first time a comparison fails without them."""
+    one recognised the model); the tolerances of its float32 tensor outputs, measured
+    under float32 rounding noise (unless ``Config.atol`` sets them); and, for outputs that
+    rounding can flip (detections), the same under rounding noise: what rounding alone
+    flips is not held against a pass (run the first time a comparison fails without)."""
 
     def __init__(self, outputs: list, model: nn.Module, context: Context, family=None):
         self.outputs, self.model, self.context, self.family = outputs, model, context, family
         self.flips = family is not None or contains_detections(outputs)
         self._noisy: list | None = None
+        self.measured = None if context.config.atol is not None else self._measure()
+
+    def _measure(self) -> NoiseTolerances | None:
+        """The float32 outputs' tolerances, from the model under rounding noise; None
+        when it has no floating-point tensor output (detections are matched) or cannot
+        be copied (the fixed default then applies, and a note says why)."""
+        outputs = {p: t for p, t in tensor_paths(self.outputs) if t.is_floating_point()}
+        if not outputs:
+            return None
+        config, device = self.context.config, self.context.device
+        rtol = config.rtol if config.rtol is not None else default_tolerance(torch.float32)[0]
+        unit, unit_name = rounding_unit(device, self.model)
+        try:
+            with self.context.step("running the model as given under float32 rounding noise"):
+                runs = reference_under_noise(
+                    self.model, self.context.test_args, runs=NOISE_RUNS, relative=unit
+                )
+        except Exception as error:
+            self.context.notes.append(f"tolerance: not measured ({describe(error)})")
+            return None
+        return noise_tolerances(
+            outputs, [dict(tensor_paths(run)) for run in runs], rtol, unit, unit_name
+        )
+
+    def tolerance(self, dtype: torch.dtype, config: Config) -> dict:
+        """The tolerance outputs computed in ``dtype`` are judged at: rtol, atol (the
+        largest, where it is measured per output) and why."""
+        if dtype == torch.float32 and self.measured is not None:
+            return self.measured.to_dict()
+        rtol, atol = default_tolerance(dtype)
+        if config.rtol is not None or config.atol is not None:
+            rtol = config.rtol if config.rtol is not None else rtol
+            atol = config.atol if config.atol is not None else atol
+            why = f"Config(rtol={rtol:g}, atol={atol:g})"
+        else:
+            why = f"the default for {str(dtype).removeprefix('torch.')} outputs"
+        return {"rtol": rtol, "atol": atol, "why": why}
 
     def noisy(self) -> list:
         if self._noisy is None:
@@ -73,11 +118,11 @@ class Reference:
         return self._noisy
 
     def compare(self, outputs, dtype: torch.dtype, config: Config) -> Comparison:
-        """``outputs`` (on the test inputs) against the model's, at the tolerances of
-        ``dtype`` unless ``config`` sets them; with the noisy runs when that fails."""
-        rtol, atol = default_tolerance(dtype)
-        rtol = config.rtol if config.rtol is not None else rtol
-        atol = config.atol if config.atol is not None else atol
+        """``outputs`` (on the test inputs) against the model's, at ``tolerance``'s;
+        a detector's with the noisy runs when that fails."""
+        tolerance = self.tolerance(dtype, config)
+        rtol, atol = tolerance["rtol"], tolerance["atol"]
+        measured = dtype == torch.float32 and self.measured is not None
 
         by = self.family.compare if self.family is not None else compare_outputs
 
@@ -88,6 +133,7 @@ class Reference:
                 noisy=noisy,
                 rtol=rtol,
                 atol=atol,
+                tolerances=self.measured.tolerances if measured else None,
                 iou_threshold=config.iou_threshold,
                 min_f1=config.min_f1,
                 score_atol=max(rtol + atol, detection_score_tolerance(dtype)),

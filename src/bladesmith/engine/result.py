@@ -3,10 +3,14 @@ the report that describe the run (diagnosis, compatibility)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import torch
 from torch.utils import _pytree as pytree
 
 from bladesmith import bench
+from bladesmith.artifact import try_formats
 from bladesmith.bench import Speedup
 from bladesmith.onnx import user_ops
 from bladesmith.ops import libraries
@@ -74,6 +78,37 @@ def _save_formats(best: Candidate, context: Context, saves_as: str | None) -> tu
     return tuple(formats)
 
 
+def with_tried_formats(
+    spec: Spec,
+    optimized,
+    test_args: list[tuple],
+    *,
+    refused: dict[str, str],
+    judge: Callable,
+    tolerance: dict,
+) -> Spec:
+    """``spec`` with its save formats tried: those saved, loaded back and whose outputs
+    ``judge`` passed on ``test_args`` stay listed. An AOTInductor package (minutes to
+    build) is left untried, for ``save`` to check; ``refused`` ones (suffix: why) are
+    not tried. ``tolerance`` is what the outputs were judged at."""
+    untried = {}
+    if AOTI_SUFFIX in spec.save_formats:
+        untried[AOTI_SUFFIX] = (
+            "not tried during optimize (an AOTInductor build takes minutes): "
+            "bladesmith.save builds it, loads it back and checks its outputs"
+        )
+    refused = {suffix: why for suffix, why in refused.items() if suffix in spec.save_formats}
+    formats = [each for each in spec.save_formats if each not in untried and each not in refused]
+    tried, failed = try_formats(optimized, formats, test_args, judge)
+    return dataclasses.replace(
+        spec,
+        save_formats=tried,
+        untried_formats=untried,
+        refused_formats={**refused, **failed},
+        tolerance=tolerance,
+    )
+
+
 def diagnosis(
     info: dict, context: Context, spec: Spec, overall: Speedup, doubts: list[str]
 ) -> dict:
@@ -82,6 +117,7 @@ def diagnosis(
         f"{info['name']} ({info['format']}, {info['parameters'] / 1e6:.1f}M parameters) on "
         f"{context.device}, level {context.level}.",
         *context.notes,
+        f"Tolerance: {spec.tolerance['why']}." if spec.tolerance else "",
         f"Kept {kept}: {overall.baseline.p50_ms:.2f} ms -> {overall.candidate.p50_ms:.2f} ms "
         f"(p50), {overall.describe()}; runs as {spec.backend} in {spec.dtype}.",
         f"Timing: {bench.STATISTIC}.",
@@ -89,7 +125,7 @@ def diagnosis(
     if doubts:
         lines.append("Figures in doubt (not to be taken as fact): " + "; ".join(doubts) + ".")
     return {
-        "message": "\n".join(lines),
+        "message": "\n".join(line for line in lines if line),
         "notes": list(context.notes),
         "speedup": overall.ratio,
         "interval": [overall.low, overall.high],

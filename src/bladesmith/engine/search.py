@@ -30,10 +30,16 @@ from bladesmith.artifact import OptimizedModule
 from bladesmith.bench import Speedup
 from bladesmith.config import Config, check_level
 from bladesmith.devices import resolve_device, with_index
-from bladesmith.engine.inputs import argument_tuples, items_per_call, to_device, working_copy
+from bladesmith.engine.inputs import (
+    argument_tuples,
+    device_argument,
+    items_per_call,
+    to_device,
+    working_copy,
+)
 from bladesmith.engine.progress import Progress
 from bladesmith.engine.reference import Reference
-from bladesmith.engine.result import compatibility, diagnosis, spec_of
+from bladesmith.engine.result import compatibility, diagnosis, spec_of, with_tried_formats
 from bladesmith.errors import describe
 from bladesmith.families import family_of
 from bladesmith.ops import libraries
@@ -54,6 +60,7 @@ def optimize(
     config: Config | None = None,
     *,
     passes: Sequence[Pass] | None = None,
+    device_type: str | None = None,
 ) -> tuple[OptimizedModule, Spec, Report]:
     """Optimize ``model`` for ``device``; return (optimized module, spec, report).
 
@@ -68,13 +75,14 @@ def optimize(
     list of images, or ``(images,)``). The first entry is timed; all are verified.
     ``config``: a ``Config``; default: the innermost ``with Config(...)``, else defaults.
     ``passes``: the passes to try, in order (default: every registered pass).
+    ``device_type``: PAI-Blade's name for ``device`` ("gpu", "cpu"): give either.
 
     The optimized module takes the same arguments and returns the same structure as
     the model (``Config(output="padded")`` returns a detector's padded tensors).
     """
     config = config or Config.current()
     level = check_level(level)
-    device = with_index(resolve_device(device))
+    device = with_index(resolve_device(device_argument(device, device_type)))
     passes = list(passes) if passes is not None else registry.create_all()
     _check_pass_names(config, passes)
     progress = Progress(config.progress)
@@ -187,11 +195,20 @@ def optimize(
 
     with progress.step("verifying the result"):
         final_accuracy = reference.compare(_outputs(best, context), best.dtype, config)
-    saves_as = next((p.saves_as for p in passes if p.name == best.backend), None)
-    spec = spec_of(best, context, saves_as)
+    backend = next((p for p in passes if p.name == best.backend), None)
+    spec = spec_of(best, context, backend.saves_as if backend else None)
     optimized = OptimizedModule.from_candidate(
         best, spec=spec, output=config.output, example_args=best.runner_args(test_args[0])
     )
+    with progress.step("saving the result in each format and loading it back"):
+        spec = optimized.spec = with_tried_formats(
+            spec,
+            optimized,
+            context.test_args,
+            refused=backend.refuses_formats if backend else {},
+            judge=lambda outputs: reference.compare(outputs, best.dtype, config),
+            tolerance=reference.tolerance(best.dtype, config),
+        )
     progress.done(overall)
     if config.output == "padded" and best.family is None:
         context.notes.append(
@@ -210,6 +227,7 @@ def optimize(
         accuracy=final_accuracy,
         model_info={**model_info, "input_shapes": [list(s) for s in spec.input_shapes]},
         compatibility_list=[compatibility(device, spec)],
+        tolerance=spec.tolerance,
         model_sdk={"load": "bladesmith.load(path)", "save": spec.save_hint},
     )
     return optimized, spec, report

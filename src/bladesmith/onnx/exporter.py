@@ -10,6 +10,7 @@ operators. The file is written next to its destination, shape-inferred and check
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -38,6 +39,7 @@ def export(
     input_names: list[str] | None = None,
     output_names: list[str] | None = None,
     external_data: bool | None = None,
+    dynamic_axes: dict[str, dict[int, str]] | None = None,
 ) -> Path:
     """Export ``model`` called on ``args`` (a tensor or a tuple of them) to ``path``.
 
@@ -45,7 +47,9 @@ def export(
     run by ``bladesmith.onnx.session``; ``"standard"`` lowers them to standard ONNX
     operators with the same fixed-shape outputs, for any ONNX Runtime provider and
     TensorRT. Weights go to ``<path>.data`` when ``external_data`` is True, or when it
-    is None and they are too large for one protobuf (2 GiB). Returns ``path``.
+    is None and they are too large for one protobuf (2 GiB). ``dynamic_axes`` names the
+    dimensions left free, by input or output name (``{"input_0": {0: "batch"}}``, as
+    ``torch.onnx.export`` takes them). Returns ``path``.
     The user's own operators need a translation (``bladesmith.onnx.register_op``).
     """
     from bladesmith import ops
@@ -62,7 +66,7 @@ def export(
     workdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         raw = workdir / "raw.onnx"
-        _torch_export(model, args, raw, opset, custom_ops, input_names, output_names)
+        _torch_export(model, args, raw, opset, custom_ops, input_names, output_names, dynamic_axes)
         _finish(raw, workdir / path.name, external_data)
         _move_into_place(workdir, path)
     finally:
@@ -70,13 +74,16 @@ def export(
     return path
 
 
-def _torch_export(model, args, raw: Path, opset, custom_ops, input_names, output_names):
+def _torch_export(
+    model, args, raw: Path, opset, custom_ops, input_names, output_names, dynamic_axes
+):
     custom_opsets = {symbolic.DOMAIN: symbolic.DOMAIN_VERSION} if custom_ops == "domain" else {}
     with (
         symbolic.registered(custom_ops, opset),
         user_ops.registered(opset) as user_opsets,
         warnings.catch_warnings(),
         torch.no_grad(),
+        _mha_fastpath_off(),
     ):
         custom_opsets = {**user_opsets, **custom_opsets}
         # The TorchScript exporter is chosen deliberately (see the module docstring).
@@ -90,6 +97,7 @@ def _torch_export(model, args, raw: Path, opset, custom_ops, input_names, output
                 opset_version=opset,
                 input_names=input_names,
                 output_names=output_names,
+                dynamic_axes=dynamic_axes,
                 custom_opsets=custom_opsets,
                 do_constant_folding=True,
             )
@@ -117,6 +125,19 @@ def _unsupported_operator(message: str) -> str | None:
     """The operator an exporter's "unrecognized namespace" error names."""
     match = re.search(r"unrecognized namespace (\S+::\S+?)\.?(\s|$)", message)
     return match.group(1) if match else None
+
+
+@contextlib.contextmanager
+def _mha_fastpath_off():
+    """nn.MultiheadAttention without its inference fast path, whose fused operator
+    (``aten::_native_multi_head_attention``, what a ViT runs under no_grad) has no ONNX
+    translation: the same attention exports as its matmuls and softmax."""
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
 
 
 def _finish(raw: Path, out: Path, external_data: bool | None) -> None:

@@ -4,26 +4,33 @@ ONNX Runtime's graph optimisations (constant folding, conv + activation fusion, 
 own MLAS kernels and memory planning) often beat eager PyTorch on small CPUs. The
 bladesmith operators are exported as custom-domain nodes that call the same CPU
 kernels (``bladesmith.onnx.export(custom_ops="domain")``).
+
+The result stays a drop-in for any batch size: the first dimension of every input is
+exported free, and the session is tried on a batch twice the example's against the
+model itself. A model whose graph fixes its batch (a reshape to a traced constant) fails
+that check; it is exported again, with fixed shapes, for each new input shape it meets.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import tempfile
-from pathlib import Path
 
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
-from bladesmith.runtimes.onnxruntime import cpu_runner, export_onnx
-from bladesmith.spec import ONNX_SUFFIX
+from bladesmith.runtimes.onnxruntime import OnnxRunnerPerShape, follows_the_batch, onnx_runner
+from bladesmith.spec import ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 
 
 class OnnxRuntime(Pass):
-    """ONNX export + ONNX Runtime session (CPU execution provider)."""
+    """ONNX export + ONNX Runtime session (CPU execution provider), any batch size."""
 
     name = "onnxruntime"
     devices = ("cpu",)
     saves_as = ONNX_SUFFIX
+    refuses_formats = {
+        TORCHSCRIPT_SUFFIX: "the module runs in ONNX Runtime; as TorchScript it would run "
+        f"another way, slower than what was measured: save it as {ONNX_SUFFIX}"
+    }
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if importlib.util.find_spec("onnxruntime") is None:
@@ -41,11 +48,18 @@ class OnnxRuntime(Pass):
         return None
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
-        args = candidate.runner_args(context.example_args)
-        with tempfile.TemporaryDirectory(prefix="bladesmith-onnx-") as directory:
-            path = Path(directory) / "model.onnx"
-            with context.step("exporting to ONNX"):
-                output_spec = export_onnx(candidate.module, args, path)
-            with context.step("creating the ONNX Runtime session"):
-                runner = cpu_runner(path, output_spec)
+        module, args = candidate.module, candidate.runner_args(context.example_args)
+        with context.step("exporting to ONNX, the batch dimension free"):
+            runner = onnx_runner(module, args)
+        with context.step("checking the ONNX Runtime session on a batch twice as large"):
+            follows = follows_the_batch(runner, module, args)
+        if not follows:
+            with context.step("exporting to ONNX, shapes fixed"):
+                runner = OnnxRunnerPerShape(
+                    module, args, onnx_runner(module, args, dynamic_batch=False)
+                )
+            context.notes.append(
+                "onnxruntime: the export does not follow the batch size; each new input "
+                "shape is exported again on its first call"
+            )
         return candidate.with_runner(runner, self.name)

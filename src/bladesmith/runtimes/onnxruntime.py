@@ -1,9 +1,15 @@
 """ONNX Runtime: a module exported to ONNX and run in a session on the CPU, the runner
-that the onnxruntime pass builds and that ``.onnx`` artifacts hold."""
+that the onnxruntime pass builds and that ``.onnx`` artifacts hold.
+
+Exports leave the first dimension of every input free, so that one session serves any
+batch size; a module whose graph fixes its batch anyway gets ``OnnxRunnerPerShape``.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,15 +25,37 @@ class OnnxRunner:
         self.output_spec = output_spec
 
     def __call__(self, *args, **kwargs):
-        inputs = [
-            leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)
-        ]
-        return pytree.tree_unflatten(list(self.session(*inputs)), self.output_spec)
+        outputs = self.session(*_tensors((args, kwargs)))
+        return pytree.tree_unflatten(list(outputs), self.output_spec)
 
 
-def export_onnx(module, args: tuple, path: Path) -> pytree.TreeSpec:
+class OnnxRunnerPerShape:
+    """ONNX Runtime sessions of a module whose export fixes its shapes: one per input
+    shape, exported from the module the first time that shape comes."""
+
+    def __init__(self, module, example_args: tuple, runner: OnnxRunner):
+        self.module = module
+        self.runners = {_shapes(example_args): runner}
+
+    def __call__(self, *args, **kwargs):
+        shapes = _shapes((args, kwargs))
+        if shapes not in self.runners:
+            self.runners[shapes] = onnx_runner(self.module, args, dynamic_batch=False)
+        return self.runners[shapes](*args, **kwargs)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+
+
+def _shapes(tree) -> tuple:
+    return tuple(tuple(tensor.shape) for tensor in _tensors(tree))
+
+
+def export_onnx(module, args: tuple, path: Path, dynamic_batch: bool = True) -> pytree.TreeSpec:
     """Export ``module`` called on ``args`` to ``path``; return its output structure.
 
+    With ``dynamic_batch`` the first dimension of every tensor input is left free.
     The bladesmith operators become custom-domain nodes running their CPU kernels when
     onnxruntime-extensions is installed, else standard ONNX operators."""
     from bladesmith import onnx
@@ -35,7 +63,17 @@ def export_onnx(module, args: tuple, path: Path) -> pytree.TreeSpec:
     with torch.no_grad():
         output_spec = pytree.tree_flatten(module(*args))[1]
     custom_ops = "domain" if importlib.util.find_spec("onnxruntime_extensions") else "standard"
-    onnx.export(module, args, path, custom_ops=custom_ops)
+    tensors = _tensors(args)
+    names = [f"input_{index}" for index in range(len(tensors))]
+    dynamic = {name: {0: "batch"} for name, x in zip(names, tensors, strict=True) if x.dim()}
+    onnx.export(
+        module,
+        args,
+        path,
+        custom_ops=custom_ops,
+        input_names=names,
+        dynamic_axes=dynamic if dynamic_batch else None,
+    )
     return output_spec
 
 
@@ -45,3 +83,43 @@ def cpu_runner(path: Path, output_spec: pytree.TreeSpec) -> OnnxRunner:
 
     session = onnx.session(path, device="cpu", threads=torch.get_num_threads())
     return OnnxRunner(session, output_spec)
+
+
+def onnx_runner(module, args: tuple, dynamic_batch: bool = True) -> OnnxRunner:
+    """``module`` exported on ``args`` and loaded in an ONNX Runtime CPU session."""
+    with tempfile.TemporaryDirectory(prefix="bladesmith-onnx-") as directory:
+        path = Path(directory) / "model.onnx"
+        output_spec = export_onnx(module, args, path, dynamic_batch=dynamic_batch)
+        return cpu_runner(path, output_spec)
+
+
+def follows_the_batch(runner: Callable, module, args: tuple) -> bool:
+    """Whether ``runner`` gives ``module``'s outputs on a batch twice ``args``'s (the
+    items, then the same in reverse order): same structure and shapes, values within a
+    bound far wider than rounding and far tighter than what a graph that kept its
+    example's batch gives (it fails, or repeats the wrong items)."""
+    doubled = pytree.tree_map(
+        lambda x: torch.cat([x, x.flip(0)]) if isinstance(x, torch.Tensor) and x.dim() else x,
+        args,
+    )
+    try:
+        with torch.no_grad():
+            expected, structure = pytree.tree_flatten(module(*doubled))
+            got, got_structure = pytree.tree_flatten(runner(*doubled))
+    except Exception:  # ONNX Runtime refuses the shape: the export fixed it
+        return False
+    return structure == got_structure and all(
+        _close(want, have) for want, have in zip(expected, got, strict=True)
+    )
+
+
+def _close(want, have) -> bool:
+    if not isinstance(want, torch.Tensor):
+        return want == have
+    if not isinstance(have, torch.Tensor) or want.shape != have.shape:
+        return False
+    have = have.to(want)
+    if not want.is_floating_point():
+        return torch.equal(have, want)
+    scale = want.abs().max().item() if want.numel() else 0.0
+    return torch.allclose(have, want, rtol=1e-3, atol=1e-3 * scale)

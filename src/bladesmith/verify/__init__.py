@@ -14,13 +14,21 @@ from bladesmith.verify.detections import (
     contains_detections,
     is_detection_list,
 )
-from bladesmith.verify.outputs import Comparison, compare_outputs
+from bladesmith.verify.outputs import Comparison, compare_outputs, tensor_paths
 from bladesmith.verify.tensors import TensorComparison, compare_tensors
-from bladesmith.verify.tolerance import Tolerance, default_tolerance, detection_score_tolerance
+from bladesmith.verify.tolerance import (
+    NoiseTolerances,
+    Tolerance,
+    default_tolerance,
+    detection_score_tolerance,
+    noise_tolerances,
+    rounding_unit,
+)
 
 __all__ = [
     "Comparison",
     "DetectionComparison",
+    "NoiseTolerances",
     "TensorComparison",
     "Tolerance",
     "compare_detections",
@@ -31,4 +39,7 @@ __all__ = [
     "degenerate_reasons",
     "detection_score_tolerance",
     "is_detection_list",
+    "noise_tolerances",
+    "rounding_unit",
+    "tensor_paths",
 ]

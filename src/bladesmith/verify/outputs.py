@@ -7,6 +7,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from bladesmith.verify._format import finite_or_none
 from bladesmith.verify.degenerate import TENSOR_LIKE, degenerate_reasons
 from bladesmith.verify.detections import DetectionComparison, compare_detections, is_detection_list
@@ -166,9 +168,24 @@ def compare_outputs(
     visit(name, None, reference, candidate, list(noisy))
     result.degenerate = degenerate_reasons(reference, inputs, name)
     unused = set(tolerances) - used
-    if unused:
+    if unused and not result.reasons:  # a structure that differs leaves some unvisited
         raise ValueError(
             f"tolerances: no output is named {sorted(map(str, unused))}; "
             f"outputs are {list(result.outputs)}"
         )
     return result
+
+
+def tensor_paths(value, path: str = "out"):
+    """(path, tensor) of every tensor in ``value``, named as ``compare_outputs`` names
+    them; detection lists are left out (they are compared as detections)."""
+    if is_detection_list(value):
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from tensor_paths(item, f"{path}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from tensor_paths(item, f"{path}[{index}]")
+    elif isinstance(value, torch.Tensor):
+        yield path, value

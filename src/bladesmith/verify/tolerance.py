@@ -3,10 +3,24 @@
 Tensors pass element by element at ``atol + rtol * |reference|``; the defaults below
 are tuned for whole-model outputs after optimisation. Detection scores get a floor of
 their own (``detection_score_tolerance``).
+
+Float32 outputs get an atol measured on the model itself (``noise_tolerances``). A
+float32 pass changes where sums round: another summation order, weights with a batch
+norm folded in, another convolution algorithm. That moves the outputs by about what the
+model's own rounding moves them, which grows with the outputs' magnitude and with the
+reductions' sizes (sqrt(K) x eps for a K-term dot product) through every layer, so no
+fixed atol fits every model: ResNet-50's logits (up to 50) move by 4e-5 under a fold,
+past 1e-5; MobileNetV3's random-weight outputs are 1e-9 in all, under it. The model runs
+twice with each weight moved by the rounding of the arithmetic it runs in (float32: one
+unit in the last place, 2^-23 of itself; TF32 convolutions on a GPU: 2^-11), and a
+candidate may move each output ``NOISE_MARGIN`` times as far as that did. A wrong pass
+(one convolution's weights off by 1%) moves ResNet-50's logits 1,000 times as far as
+rounding does, MobileNetV3's too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,3 +80,65 @@ def detection_score_tolerance(dtype: torch.dtype) -> float:
     lie in [0, 1]), and never less than 5e-3."""
     rtol, atol = default_tolerance(dtype)
     return max(rtol + atol, _DETECTION_SCORE_ATOL_FLOOR)
+
+
+FLOAT32_NOISE = 2.0**-23  # float32's eps: a weight's last bit
+TF32_NOISE = 2.0**-11  # TF32's unit roundoff (10 mantissa bits)
+NOISE_RUNS = 2
+NOISE_MARGIN = 10.0
+
+
+def rounding_unit(device: torch.device, model: torch.nn.Module) -> tuple[float, str]:
+    """The relative rounding of the float32 arithmetic ``model`` runs in on ``device``,
+    and its name: TF32's where cuDNN may run its convolutions (or matmuls) in TF32."""
+    if device.type == "cuda":
+        convolutions = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
+        if (convolutions and torch.backends.cudnn.allow_tf32) or (
+            torch.backends.cuda.matmul.allow_tf32
+        ):
+            return TF32_NOISE, "TF32 (2^-11 of each)"
+    return FLOAT32_NOISE, "float32 (2^-23 of each)"
+
+
+@dataclass(frozen=True)
+class NoiseTolerances:
+    """Tolerances per floating-point tensor output, keyed by its path (as
+    ``compare_outputs`` names it), measured under rounding noise, and why."""
+
+    tolerances: dict[str, Tolerance]
+    rtol: float
+    atol: float  # the largest of the per-output atols
+    why: str
+
+    def to_dict(self) -> dict:
+        return {"rtol": self.rtol, "atol": self.atol, "why": self.why}
+
+
+def noise_tolerances(
+    reference: dict[str, torch.Tensor],
+    noisy_runs: Sequence[dict[str, torch.Tensor]],
+    rtol: float,
+    unit: float,
+    unit_name: str,
+) -> NoiseTolerances:
+    """Per output of ``reference`` ({path: float tensor}): ``rtol``, and NOISE_MARGIN
+    times the most any of ``noisy_runs`` (the same outputs of the model with its
+    weights moved by ``unit`` of themselves) moved it, or ``unit`` times the output's
+    largest magnitude where noise moved it less (an output that no weight reaches)."""
+    tolerances, spread_of_all = {}, 0.0
+    for path, tensor in reference.items():
+        spread = max(_max_abs(run[path] - tensor) for run in noisy_runs)
+        spread_of_all = max(spread_of_all, spread)
+        atol = NOISE_MARGIN * max(spread, unit * _max_abs(tensor))
+        tolerances[path] = Tolerance(rtol=rtol, atol=atol)
+    atol = max(t.atol for t in tolerances.values())
+    why = (
+        f"float32 outputs within rtol {rtol:g} and atol {atol:.2g}: {NOISE_MARGIN:g} x the "
+        f"most ({spread_of_all:.2g}) that {len(noisy_runs)} runs of the model with its "
+        f"weights moved by the rounding of {unit_name} moved them"
+    )
+    return NoiseTolerances(tolerances, rtol, atol, why)
+
+
+def _max_abs(tensor: torch.Tensor) -> float:
+    return float(tensor.detach().double().abs().max()) if tensor.numel() else 0.0

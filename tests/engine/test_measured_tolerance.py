@@ -1,0 +1,72 @@
+"""Float32 passes are judged at a tolerance measured on the model (its outputs under
+float32 rounding noise), not a fixed 1e-5: ResNet-50's norm folding is kept, a wrong
+pass is still rejected, and Config(rtol=, atol=) still overrides."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torchvision.models import resnet50
+
+import bladesmith
+from bladesmith.passes import Candidate, Pass
+from bladesmith.passes.norm_folding import NormFolding
+
+# Accuracy decides here: a 2-core machine shared with other work times too noisily.
+QUICK = bladesmith.Config(warmup=0, iters=2, min_speedup=0.01, progress=False)
+
+
+class OneConvOnePercentOff(Pass):
+    """A wrong pass: one convolution's weights 1% larger (a bug a fold could have)."""
+
+    name = "one_conv_one_percent_off"
+
+    def apply(self, candidate: Candidate, context) -> Candidate:
+        module = copy.deepcopy(candidate.module)
+        with torch.no_grad():
+            module.layer3[2].conv2.weight.mul_(1.01)
+        return candidate.with_module(module, self.name)
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    torch.manual_seed(0)
+    return resnet50(weights=None).eval(), torch.randn(1, 3, 64, 64)
+
+
+def records(report) -> dict:
+    return {record.name: record for record in report.optimizations}
+
+
+def test_resnet50_keeps_norm_folding_and_rejects_a_one_percent_weight_error(resnet):
+    model, x = resnet
+    passes = [NormFolding(), OneConvOnePercentOff()]
+    optimized, spec, report = bladesmith.optimize(
+        model, "o1", device="cpu", test_data=[x], config=QUICK, passes=passes
+    )
+    by_name = records(report)
+    folding = by_name["norm_folding"]  # judged by accuracy: timing may still drop it
+    assert folding.accuracy["passed"] and "within tolerance" in folding.reason, folding.reason
+    wrong = by_name["one_conv_one_percent_off"]
+    assert wrong.status == "rejected" and "moved past tolerance" in wrong.reason
+    # By far: the wrong pass moves the logits hundreds of times past what was allowed.
+    assert wrong.accuracy["tolerance_ratio"] > 50
+    tolerance = report.tolerance
+    assert "rounding" in tolerance["why"]
+    assert 1e-5 < tolerance["atol"] < 1e-2
+    assert spec.tolerance["atol"] == tolerance["atol"]
+    with torch.no_grad():
+        expected = model(x)
+    torch.testing.assert_close(optimized(x), expected, rtol=1e-4, atol=tolerance["atol"])
+
+
+def test_config_tolerances_override_the_measured_one(resnet):
+    model, x = resnet
+    config = QUICK.replace(rtol=0.0, atol=0.0)
+    _, _, report = bladesmith.optimize(
+        model, "o1", device="cpu", test_data=[x], config=config, passes=[NormFolding()]
+    )
+    assert records(report)["norm_folding"].status == "rejected"  # folding rounds weights
+    assert report.tolerance == {"rtol": 0.0, "atol": 0.0, "why": "Config(rtol=0, atol=0)"}

@@ -1,0 +1,119 @@
+"""PAI-Blade's PyTorch tutorial, as the README ports it, runs on bladesmith: the README's
+block itself, on a small model (ResNet-18 at 64x64), on the GPU when there is one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import bladesmith
+from bladesmith.errors import BladesmithError
+from bladesmith.passes.onnxruntime import OnnxRuntime
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+SRC = Path(__file__).resolve().parents[1] / "src"
+BLOCK = re.compile(r"<!-- pai-blade-tutorial -->\n```python\n(.*?)```", re.DOTALL)
+
+
+def tutorial_code() -> tuple[str, str]:
+    """The README's tutorial block on a small model, for this machine: (optimizing part,
+    deployment part)."""
+    code = BLOCK.search(README.read_text()).group(1)
+    code = code.replace("resnet50()", "resnet18()").replace("224, 224", "64, 64")
+    if not torch.cuda.is_available():
+        code = code.replace(".cuda()", "").replace('"gpu"', '"cpu"')
+    optimizing, deployment = code.split("\n# Deployment")
+    return optimizing, deployment.split("\n", 1)[1]  # without the comment line
+
+
+def run_python(code: str, directory: Path) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": str(SRC)}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=directory,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def test_the_readme_tutorial_runs_and_deploys_in_a_new_process(tmp_path):
+    optimizing, deployment = tutorial_code()
+    # Quick timing; ONNX Runtime left out so that the result is TorchScript (the refusal
+    # of .pt for an ONNX Runtime result is the next test's).
+    harness = (
+        "import bladesmith\n"
+        "with bladesmith.Config(warmup=1, iters=3, exclude=['onnxruntime']):\n"
+        + "".join(f"    {line}\n" for line in optimizing.splitlines())
+        + "torch.save(dummy, 'dummy.pt'); torch.save(optimized_model(dummy), 'expected.pt')\n"
+    )
+    result = run_python(harness, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report_text = result.stdout.split("report: ", 1)[1]
+    report = json.loads(report_text)
+    for key in ("software_context", "hardware_context", "optimizations", "overall"):
+        assert key in report
+    assert (tmp_path / "optimized.pt").is_file()
+
+    deploy = (
+        "import torch\ndummy = torch.load('dummy.pt')\n"
+        + deployment
+        + "\ntorch.testing.assert_close(output, torch.load('expected.pt'), rtol=1e-4, atol=1e-4)\n"
+    )
+    deployed = run_python(deploy, tmp_path)
+    assert deployed.returncode == 0, deployed.stderr[-3000:]
+
+
+def test_an_onnx_runtime_result_refuses_pt_and_saves_onnx_for_any_batch(tmp_path):
+    pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.LazyLinear(4)
+    )
+    model(torch.randn(1, 3, 8, 8))
+    model.eval()
+    config = bladesmith.Config(warmup=0, iters=2, min_speedup=0.01, progress=False)
+    optimized, spec, _ = bladesmith.optimize(
+        model,
+        "o1",
+        device_type="cpu",
+        test_data=[torch.randn(1, 3, 8, 8)],
+        config=config,
+        passes=[OnnxRuntime()],
+    )
+    assert spec.backend == "onnxruntime"
+    assert ".pt" not in spec.save_formats and "ONNX Runtime" in spec.refused_formats[".pt"]
+    with pytest.raises(BladesmithError, match=r"bladesmith\.save"):
+        torch.jit.save(optimized, str(tmp_path / "optimized.pt"))
+    with pytest.raises(BladesmithError, match="refused"):
+        bladesmith.save(optimized, tmp_path / "optimized.pt")
+    assert spec.save_formats[0] == ".onnx"
+    bladesmith.save(optimized, tmp_path / "optimized.onnx")
+    batch = torch.randn(2, 3, 8, 8)  # built on a batch of 1
+    with torch.no_grad():
+        torch.save((batch, model(batch), optimized(batch)), tmp_path / "io.pt")
+    check = (
+        "import torch, bladesmith\n"
+        "batch, expected, optimized = torch.load('io.pt')\n"
+        "loaded = bladesmith.load('optimized.onnx')(batch)\n"
+        "torch.testing.assert_close(optimized, expected, rtol=1e-4, atol=1e-5)\n"
+        "torch.testing.assert_close(loaded, expected, rtol=1e-4, atol=1e-5)\n"
+    )
+    result = run_python(check, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_device_type_and_device_cannot_disagree():
+    with pytest.raises(ValueError, match="device_type"):
+        bladesmith.optimize(
+            nn.Linear(2, 2), device="cpu", device_type="gpu", test_data=[torch.ones(1, 2)]
+        )
