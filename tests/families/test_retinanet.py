@@ -20,7 +20,7 @@ def test_build_is_deterministic_and_keeps_size(model):
     for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), name
     pipeline = RetinaNetPipeline(model, SIZE)
-    assert pipeline.resized_size == SIZE and pipeline.padded_size == SIZE
+    assert pipeline.transform.resized_size == SIZE and pipeline.transform.padded_size == SIZE
 
 
 def test_realistic_load_fills_every_level(model):
@@ -119,7 +119,8 @@ def test_half_network_keeps_float32_postprocessing(model):
     import copy
 
     pipeline = RetinaNetPipeline(copy.deepcopy(model), (48, 80)).to(torch.bfloat16)
-    assert pipeline.anchors.dtype == torch.float32 and pipeline.box_scale.dtype == torch.float32
+    assert pipeline.anchors.dtype == torch.float32
+    assert pipeline.transform.box_scale.dtype == torch.float32
     assert next(pipeline.parameters()).dtype == torch.bfloat16
     with torch.no_grad():
         boxes, scores, _, _ = pipeline(sample_images(1, (48, 80), dtype=torch.bfloat16))

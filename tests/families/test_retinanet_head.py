@@ -58,7 +58,7 @@ def test_packed_head_equals_torchvision_head(model, channels_last):
     pipeline = RetinaNetPipeline(model, SIZE)
     images = sample_images(2, SIZE)
     with torch.no_grad():
-        features = list(pipeline.backbone(pipeline.preprocess(images)).values())
+        features = list(pipeline.backbone(pipeline.transform(images)).values())
         expected = model.head(features)
         if channels_last:
             features = [f.contiguous(memory_format=torch.channels_last) for f in features]

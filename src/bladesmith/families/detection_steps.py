@@ -1,4 +1,6 @@
-"""Fixed-shape steps shared by the torchvision detector pipelines (FCOS, SSD, R-CNN).
+"""Fixed-shape steps shared by the torchvision detector pipelines (RetinaNet, FCOS, SSD,
+R-CNN): the preprocessing (``StaticTransform``), the anchors, the one-stage pipelines'
+common part (``OneStagePipeline``) and the post-processing steps.
 
 torchvision post-processes each image in a Python loop, keeping what passes a threshold
 (``scores[keep]``), so sizes depend on the data and the host waits on the device. Here
@@ -16,7 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bladesmith.families.retinanet import check_image_size
+from bladesmith.ops import load_library
+
+
+def check_image_size(image_size) -> tuple[int, int]:
+    try:
+        height, width = (int(s) for s in image_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"image_size: expected (height, width), got {image_size!r}") from None
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image_size: expected positive (height, width), got {image_size!r}")
+    return height, width
 
 
 class KeepsFloat32(nn.Module):
@@ -92,6 +104,57 @@ class StaticTransform(KeepsFloat32):
     def to_image(self, boxes: torch.Tensor) -> torch.Tensor:
         """Boxes [..., 4] from resized to input image coordinates."""
         return boxes if self.resized_size == self.image_size else boxes * self.box_scale
+
+
+@torch.no_grad()
+def static_anchors(model, padded_size, resized_size):
+    """Anchors [N, 4], the feature-map size (height, width) of each level and the
+    anchors per level, for one padded input size (``model`` has ``backbone``,
+    ``anchor_generator`` and ``parameters``).
+
+    The feature-map sizes come from running the backbone on fake tensors (no compute,
+    any backbone); anchors from the model's own anchor generator.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torchvision.models.detection.image_list import ImageList
+
+    parameter = next(model.parameters())
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.empty(1, 3, *padded_size, device=parameter.device, dtype=parameter.dtype)
+        grid_sizes = [tuple(f.shape[-2:]) for f in model.backbone(fake).values()]
+    images = ImageList(torch.empty(1, 3, *padded_size), [tuple(resized_size)])
+    feature_maps = [torch.empty(1, 1, h, w) for h, w in grid_sizes]
+    anchors = model.anchor_generator(images, feature_maps)[0]
+    per_location = model.anchor_generator.num_anchors_per_location()
+    level_sizes = [h * w * a for (h, w), a in zip(grid_sizes, per_location)]
+    return anchors.to(parameter.device), grid_sizes, level_sizes
+
+
+class OneStagePipeline(KeepsFloat32):
+    """What torchvision's one-stage detectors (RetinaNet, FCOS, SSD) share for one fixed
+    image size: the preprocessing, the model's backbone, head and box coder (shared, not
+    modified), the static anchors and the post-processing settings. Subclasses add
+    ``forward``."""
+
+    float32_buffers = ("anchors",)
+
+    def __init__(self, model: nn.Module, image_size: tuple[int, int], kind: type, name: str):
+        super().__init__()
+        eval_model(model, kind, name)
+        load_library()  # forward calls torch.ops.bladesmith
+        self.transform = StaticTransform(model.transform, image_size)
+        self.backbone = model.backbone
+        self.head = model.head
+        self.box_coder = model.box_coder
+        self.score_threshold = float(model.score_thresh)
+        self.topk_candidates = int(model.topk_candidates)
+        self.iou_threshold = float(model.nms_thresh)
+        self.max_detections = int(model.detections_per_img)
+        anchors, self.grid_sizes, self.level_sizes = static_anchors(
+            model, self.transform.padded_size, self.transform.resized_size
+        )
+        self.register_buffer("anchors", anchors, persistent=False)
+        self.eval()  # an exporter restores the mode it found, on every submodule
 
 
 def top_per_level(

@@ -29,7 +29,6 @@ from torch import nn
 from bladesmith.families import calibration
 from bladesmith.families import detection_steps as steps
 from bladesmith.families.base import DetectionFamily
-from bladesmith.families.retinanet import _static_anchors
 from bladesmith.ops import load_library
 
 DETECTION_OUTPUTS = ("boxes", "scores", "labels", "num_detections")
@@ -75,7 +74,7 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
             anchor_generator=rpn.anchor_generator,
             parameters=model.parameters,
         )
-        anchors, grid_sizes, self.level_sizes = _static_anchors(
+        anchors, grid_sizes, self.level_sizes = steps.static_anchors(
             parts, self.transform.padded_size, self.transform.resized_size
         )
         self.register_buffer("anchors", anchors, persistent=False)

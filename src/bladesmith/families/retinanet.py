@@ -12,23 +12,19 @@ captured in one CUDA graph.
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from bladesmith.families import detection_steps as steps
 from bladesmith.families.base import DetectionFamily
 from bladesmith.families.retinanet_head import PackedRetinaNetHead, packing_problem
-from bladesmith.ops import load_library
 
-_FLOAT32_BUFFERS = ("anchors", "box_scale")
 # A trained RetinaNet on a busy image keeps more than this many candidates per level
 # over the score threshold; fewer means post-processing is timed under a light load.
 REALISTIC_CANDIDATES = 1000
 
 
-class RetinaNetPipeline(nn.Module):
+class RetinaNetPipeline(steps.OneStagePipeline):
     """A torchvision RetinaNet for one fixed image size, with padded outputs.
 
     ``forward(images[B, 3, H, W] float in [0, 1]) -> (boxes[B, D, 4], scores[B, D],
@@ -42,76 +38,13 @@ class RetinaNetPipeline(nn.Module):
     """
 
     def __init__(self, model: nn.Module, image_size: tuple[int, int]):
-        super().__init__()
-        _check_retinanet(model)
-        height, width = check_image_size(image_size)
-        load_library()  # forward calls torch.ops.bladesmith
-        transform = model.transform
-        self.backbone = model.backbone
-        self.head = model.head
-        self.image_size = (height, width)
-        self.score_threshold = float(model.score_thresh)
-        self.topk_candidates = int(model.topk_candidates)
-        self.iou_threshold = float(model.nms_thresh)
-        self.max_detections = int(model.detections_per_img)
+        from torchvision.models.detection.retinanet import RetinaNet
+
+        super().__init__(model, image_size, RetinaNet, "RetinaNet")
         self.box_weights = [float(w) for w in model.box_coder.weights]
         self.bbox_clip = float(model.box_coder.bbox_xform_clip)
-
-        # The transform's eval-mode resize: scale so the short side reaches min_size
-        # unless the long side would pass max_size (torchvision's rule, decided once).
-        scale = min(
-            transform.min_size[-1] / min(height, width), transform.max_size / max(height, width)
-        )
-        self.resized_size = (int(math.floor(height * scale)), int(math.floor(width * scale)))
-        divisor = transform.size_divisible
-        self.padded_size = tuple(int(math.ceil(s / divisor) * divisor) for s in self.resized_size)
-        mean = torch.tensor(transform.image_mean).view(1, 3, 1, 1)
-        std = torch.tensor(transform.image_std).view(1, 3, 1, 1)
-        self.register_buffer("image_mean", mean, persistent=False)
-        self.register_buffer("image_std", std, persistent=False)
-        # Boxes come out in resized coordinates; torchvision scales them back by these.
-        ratio_h = height / self.resized_size[0]
-        ratio_w = width / self.resized_size[1]
-        self.register_buffer(
-            "box_scale", torch.tensor([ratio_w, ratio_h, ratio_w, ratio_h]), persistent=False
-        )
-        self.register_buffer(
-            "resized_hw", torch.tensor([self.resized_size], dtype=torch.int64), persistent=False
-        )
-        anchors, self.grid_sizes, self.level_sizes = _static_anchors(
-            model, self.padded_size, self.resized_size
-        )
-        self.register_buffer("anchors", anchors, persistent=False)
-
-    def _apply(self, fn, recurse=True):
-        # Casting the network to 16 bits moves these buffers but keeps them float32:
-        # post-processing runs in float32, and 16-bit anchors would shift boxes.
-        kept = {name: getattr(self, name) for name in _FLOAT32_BUFFERS}
-        super()._apply(fn, recurse)
-        for name, value in kept.items():
-            setattr(self, name, value.to(getattr(self, name).device))
-        return self
-
-    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        """Normalise, resize and pad as the model's transform does, with static shapes."""
-        # The tracer (ONNX export) would warn on this Python check and record nothing.
-        if not torch.jit.is_tracing() and (
-            images.dim() != 4 or images.shape[1] != 3 or tuple(images.shape[-2:]) != self.image_size
-        ):
-            raise ValueError(
-                f"images: expected a tensor [B, 3, {self.image_size[0]}, {self.image_size[1]}] "
-                f"(the size this pipeline was built for), got shape {tuple(images.shape)}"
-            )
-        mean = self.image_mean.to(images.dtype)
-        std = self.image_std.to(images.dtype)
-        x = (images - mean) / std
-        if self.resized_size != self.image_size:
-            x = F.interpolate(x, size=self.resized_size, mode="bilinear", align_corners=False)
-        pad_h = self.padded_size[0] - self.resized_size[0]
-        pad_w = self.padded_size[1] - self.resized_size[1]
-        if pad_h or pad_w:
-            x = F.pad(x, (0, pad_w, 0, pad_h))
-        return x
+        resized_hw = torch.tensor([self.transform.resized_size], dtype=torch.int64)
+        self.register_buffer("resized_hw", resized_hw, persistent=False)
 
     def pack_head(self) -> None:
         """Run the head once over all levels packed into one canvas rather than once
@@ -131,7 +64,7 @@ class RetinaNetPipeline(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Classification logits [B, N, C] and box deltas [B, N, 4] for all levels, in
         ``dtype`` (default: the network's)."""
-        features = list(self.backbone(self.preprocess(images)).values())
+        features = list(self.backbone(self.transform(images)).values())
         if isinstance(self.head, PackedRetinaNetHead):
             return tuple(_as_dtype(x, dtype) for x in self.head(features))
         per_level = level_outputs(self.head, features)
@@ -159,9 +92,7 @@ class RetinaNetPipeline(nn.Module):
             self.box_weights,
             self.bbox_clip,
         )
-        if self.resized_size != self.image_size:
-            boxes = boxes * self.box_scale
-        return boxes, scores, labels, num_detections
+        return self.transform.to_image(boxes), scores, labels, num_detections
 
     @torch.no_grad()
     def candidates_per_level(self, images: torch.Tensor) -> list[int]:
@@ -237,48 +168,6 @@ def is_retinanet(model: object) -> bool:
     from torchvision.models.detection.retinanet import RetinaNet
 
     return isinstance(model, RetinaNet)
-
-
-def _check_retinanet(model: nn.Module) -> None:
-    if not is_retinanet(model):
-        raise TypeError(
-            f"model: expected a torchvision.models.detection.RetinaNet, got {type(model).__name__}"
-        )
-    if model.training:
-        raise ValueError("model: expected a model in eval mode (call model.eval() first)")
-
-
-def check_image_size(image_size) -> tuple[int, int]:
-    try:
-        height, width = (int(s) for s in image_size)
-    except (TypeError, ValueError):
-        raise ValueError(f"image_size: expected (height, width), got {image_size!r}") from None
-    if height <= 0 or width <= 0:
-        raise ValueError(f"image_size: expected positive (height, width), got {image_size!r}")
-    return height, width
-
-
-@torch.no_grad()
-def _static_anchors(model: nn.Module, padded_size, resized_size):
-    """Anchors [N, 4], the feature-map size (height, width) of each level and the
-    anchors per level, for one padded input size.
-
-    The feature-map sizes come from running the backbone on fake tensors (no compute,
-    any backbone); anchors from the model's own anchor generator.
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torchvision.models.detection.image_list import ImageList
-
-    parameter = next(model.parameters())
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = torch.empty(1, 3, *padded_size, device=parameter.device, dtype=parameter.dtype)
-        grid_sizes = [tuple(f.shape[-2:]) for f in model.backbone(fake).values()]
-    images = ImageList(torch.empty(1, 3, *padded_size), [tuple(resized_size)])
-    feature_maps = [torch.empty(1, 1, h, w) for h, w in grid_sizes]
-    anchors = model.anchor_generator(images, feature_maps)[0]
-    per_location = model.anchor_generator.num_anchors_per_location()
-    level_sizes = [h * w * a for (h, w), a in zip(grid_sizes, per_location)]
-    return anchors.to(parameter.device), grid_sizes, level_sizes
 
 
 class RetinaNetFamily(DetectionFamily):

@@ -19,11 +19,9 @@ from torch import nn
 from bladesmith.families import calibration
 from bladesmith.families import detection_steps as steps
 from bladesmith.families.base import DetectionFamily
-from bladesmith.families.retinanet import _static_anchors
-from bladesmith.ops import load_library
 
 
-class SSDPipeline(steps.KeepsFloat32):
+class SSDPipeline(steps.OneStagePipeline):
     """A torchvision SSD (or SSDlite) for one fixed image size, with padded outputs.
 
     ``forward(images[B, 3, H, W] float in [0, 1]) -> (boxes[B, D, 4], scores[B, D],
@@ -32,27 +30,10 @@ class SSDPipeline(steps.KeepsFloat32):
     score 0, label -1). Shares ``model``'s backbone and head without modifying them.
     """
 
-    float32_buffers = ("anchors",)
-
     def __init__(self, model: nn.Module, image_size: tuple[int, int]):
-        super().__init__()
         from torchvision.models.detection.ssd import SSD
 
-        steps.eval_model(model, SSD, "SSD")
-        load_library()  # forward calls torch.ops.bladesmith
-        self.transform = steps.StaticTransform(model.transform, image_size)
-        self.backbone = model.backbone
-        self.head = model.head
-        self.box_coder = model.box_coder
-        self.score_threshold = float(model.score_thresh)
-        self.topk_candidates = int(model.topk_candidates)
-        self.iou_threshold = float(model.nms_thresh)
-        self.max_detections = int(model.detections_per_img)
-        anchors, _, self.level_sizes = _static_anchors(
-            model, self.transform.padded_size, self.transform.resized_size
-        )
-        self.register_buffer("anchors", anchors, persistent=False)
-        self.eval()  # an exporter restores the mode it found, on every submodule
+        super().__init__(model, image_size, SSD, "SSD")
 
     def head_outputs(self, images: torch.Tensor):
         """Class logits [B, N, C] (class 0 the background) and box deltas [B, N, 4]."""

@@ -4,25 +4,20 @@ state-dict file's weights)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from bladesmith.families.retinanet import RetinaNetPipeline, check_image_size
-from bladesmith.models.images import sample_images
+from bladesmith.families import calibration
+from bladesmith.families.detection_steps import check_image_size
+from bladesmith.families.retinanet import RetinaNetPipeline
 from bladesmith.models.weights import load_weights
 
 BACKBONES = ("resnet50", "resnet18")
 # Each level of a realistically loaded model keeps at least this many candidates over
 # the score threshold (a trained RetinaNet on a busy image keeps well over 1,000).
 _REALISTIC_CANDIDATES = 1200
-# Spread of random-weight logits after calibration: with it the kept detections score
-# from about 0.8 to 0.96, spread as a trained model's are; a wider spread pushes them
-# all to 0.999+, where float16 cannot tell them apart.
-_REALISTIC_LOGIT_STD = 1.0
-_CALIBRATION_PHOTOS = 3
 
 
 def build_retinanet(
@@ -80,19 +75,6 @@ def calibrate_for_realistic_load(model: nn.Module, image_size: tuple[int, int]) 
     pipeline = RetinaNetPipeline(model, image_size)
     cls_layer = model.head.classification_head.cls_logits
     cls_layer.bias.zero_()
-    raw = pipeline.head_outputs(sample_images(_CALIBRATION_PHOTOS, image_size))[0]
-    scale = _REALISTIC_LOGIT_STD / raw.std().clamp_min(1e-12)
-    cls_layer.weight.mul_(scale)
-    raw = raw * scale
-    threshold_logit = math.log(model.score_thresh / (1.0 - model.score_thresh))
-    # The shared bias must lift the k-th largest raw logit of the sparsest level, on
-    # every photograph, over the threshold; a small margin keeps it there for others.
-    kth_largest = min(
-        level.flatten(1)
-        .topk(min(_REALISTIC_CANDIDATES, level[0].numel()))
-        .values[:, -1]
-        .min()
-        .item()
-        for level in raw.split(pipeline.level_sizes, dim=1)
-    )
-    cls_layer.bias.fill_(threshold_logit - kth_largest + 0.25)
+    raw = pipeline.head_outputs(calibration.photos(image_size))[0]
+    target = calibration.logit(model.score_thresh)
+    calibration.calibrate(cls_layer, raw, pipeline.level_sizes, target, _REALISTIC_CANDIDATES)

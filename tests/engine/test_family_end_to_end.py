@@ -1,0 +1,65 @@
+"""optimize end to end on the CPU for detectors other than RetinaNet: the family is
+recognised, the detections equal the model's within the gate, and the saved ``.pt``
+gives the same detections in a new process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import bladesmith
+from bladesmith.config import Config
+from bladesmith.families.fcos import build_fcos
+from bladesmith.families.rcnn import build_rcnn
+from bladesmith.models.images import sample_images
+from bladesmith.verify import compare_detections
+
+SIZE = (128, 160)
+BUILDERS = {
+    "fcos": lambda: build_fcos(SIZE, backbone="resnet18", num_classes=5),
+    "faster_rcnn": lambda: build_rcnn(
+        "fasterrcnn_mobilenet_v3_large_fpn", SIZE, num_classes=5, rpn_post_nms_top_n_test=100
+    ),
+}
+
+
+@pytest.mark.parametrize("family", BUILDERS)
+def test_optimize_save_and_load_in_a_new_process(family, tmp_path):
+    model = BUILDERS[family]()
+    photos = list(sample_images(2, SIZE))
+    optimized, spec, report = bladesmith.optimize(
+        model,
+        device="cpu",
+        test_data=[(photos,)],
+        # Kept whatever the timing on a loaded machine: this test is about what runs.
+        config=Config(warmup=1, iters=2, exclude=["onnxruntime", "winograd"], min_speedup=0.01),
+    )
+    assert spec.family == family and "fixed_shape" in spec.passes, spec
+    assert report.accuracy["passed"], report.accuracy
+    with torch.no_grad():
+        reference = model(photos)
+    detections = optimized(photos)
+    assert min(len(d["scores"]) for d in reference) > 0  # a comparison of something
+    assert compare_detections(reference, detections).passed
+
+    path = bladesmith.save(optimized, tmp_path / "detector.pt")
+    torch.save((photos, detections), tmp_path / "io.pt")
+    script = textwrap.dedent(
+        f"""
+        import torch, bladesmith
+        from bladesmith.verify import compare_detections
+        photos, expected = torch.load({str(tmp_path / "io.pt")!r})
+        loaded = bladesmith.load({str(path)!r})
+        result = compare_detections(expected, loaded(photos), iou_threshold=0.999, min_f1=1.0)
+        assert result.passed, result.summary()
+        print("ok")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
