@@ -66,13 +66,20 @@ CASES = {
         seed=4, quantum=1.0, topk_candidates=10**6, nms_thresh=2.0, detections_per_img=50000
     ),
     "few detections kept": dict(seed=5, detections_per_img=7),
-    "sharp scores": dict(seed=6, logit_std=6.0, score_thresh=0.5),
+    # Sharp, but short of float32 rounding softmax scores to equal values near 1 (ties
+    # at the per-image cut, whose order no implementation fixes).
+    "sharp scores": dict(seed=6, logit_std=4.0, score_thresh=0.5),
 }
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 @pytest.mark.parametrize("variant", ["ssdlite", "ssd300"])
 def test_postprocess_equals_torchvision(model, ssd300, case, variant):
+    if variant == "ssd300" and case is CASES["equal scores"]:
+        pytest.skip(
+            "every candidate of ssd300's 8,732 anchors x 90 classes kept, NMS off: more "
+            "memory than a 24 GiB machine has (killed); ssdlite runs the same code"
+        )
     # At the model's own size: postprocess's boxes need no scaling.
     model, pipeline = ssd300 if variant == "ssd300" else (model, SSDPipeline(model, (320, 320)))
     case = dict(case)
