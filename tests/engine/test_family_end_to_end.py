@@ -1,4 +1,4 @@
-"""optimize end to end on the CPU for detectors other than RetinaNet: the family is
+"""optimize end to end on the CPU for a detector other than RetinaNet: the family is
 recognised, the detections equal the model's within the gate, and the saved ``.pt``
 gives the same detections in a new process."""
 
@@ -14,16 +14,15 @@ import torch
 import bladesmith
 from bladesmith.config import Config
 from bladesmith.families.fcos import build_fcos
-from bladesmith.families.rcnn import build_rcnn
 from bladesmith.models.images import sample_images
 from bladesmith.verify import compare_detections
 
 SIZE = (128, 160)
+# Faster R-CNN's fixed-shape pipeline runs slower than the model itself on the CPU (it
+# pools every proposal on every level), so optimize rightly returns the model as given
+# there: its pipeline is tested against torchvision, saved and reloaded in tests/families.
 BUILDERS = {
     "fcos": lambda: build_fcos(SIZE, backbone="resnet18", num_classes=5),
-    "faster_rcnn": lambda: build_rcnn(
-        "fasterrcnn_mobilenet_v3_large_fpn", SIZE, num_classes=5, rpn_post_nms_top_n_test=100
-    ),
 }
 
 
