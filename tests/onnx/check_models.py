@@ -197,3 +197,14 @@ def sliced_shape_floor_division():
             const("zero", [0], np.int64),
         ],
     )
+
+
+def exit_code(argv: list[str]) -> int:
+    """main's exit code, whether the command returns it or argparse stops at an argument
+    (a file to read that is missing or empty is refused there)."""
+    try:
+        from bladesmith.cli import main
+
+        return main(argv)
+    except SystemExit as stopped:
+        return stopped.code

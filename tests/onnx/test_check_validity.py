@@ -72,7 +72,7 @@ def test_files_that_are_not_models_exit_2(content, tmp_path, capsys):
         path.write_bytes(content)
     with pytest.raises(NotAModelError):
         check(path, "ort-cpu")
-    assert main(["check", str(path), "-t", "ort-cpu"]) == 2
+    assert models.exit_code(["check", str(path), "-t", "ort-cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(path) in err and "Traceback" not in err
 

@@ -21,15 +21,6 @@ def save(model, path):
     return path
 
 
-def exit_code(argv: list[str]) -> int:
-    """main's exit code, whether the command returns it or argparse stops at an argument
-    (a file to read that is missing or empty is refused there)."""
-    try:
-        return main(argv)
-    except SystemExit as stopped:
-        return stopped.code
-
-
 def one_line_error(capsys) -> str:
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1, captured.err
@@ -44,7 +35,7 @@ def test_files_that_are_not_models_exit_2_and_write_nothing(content, tmp_path, c
     source = tmp_path / "in.onnx"
     source.write_bytes(content)
     out = tmp_path / "out.onnx"
-    assert exit_code(["fix", str(source), str(out), "-t", "tensorrt"]) == 2
+    assert models.exit_code(["fix", str(source), str(out), "-t", "tensorrt"]) == 2
     assert str(source) in one_line_error(capsys)
     assert not out.exists()
 
@@ -61,7 +52,7 @@ def test_invalid_graphs_exit_2_and_write_nothing(name, tmp_path, capsys):
 
 def test_an_output_that_is_a_folder_or_unwritable_exits_2(tmp_path, capsys):
     source = save(models.relu(), tmp_path / "in.onnx")
-    assert exit_code(["fix", str(source), str(tmp_path), "-t", "ort-cpu"]) == 2
+    assert models.exit_code(["fix", str(source), str(tmp_path), "-t", "ort-cpu"]) == 2
     assert "is a folder" in one_line_error(capsys)
     locked = tmp_path / "locked"
     locked.mkdir()
@@ -69,7 +60,8 @@ def test_an_output_that_is_a_folder_or_unwritable_exits_2(tmp_path, capsys):
     try:
         if os.access(locked, os.W_OK):
             pytest.skip("running as a user that may write anywhere")
-        assert exit_code(["fix", str(source), str(locked / "out.onnx"), "-t", "ort-cpu"]) == 2
+        argv = ["fix", str(source), str(locked / "out.onnx"), "-t", "ort-cpu"]
+        assert models.exit_code(argv) == 2
         assert "not a writable folder" in one_line_error(capsys)
     finally:
         locked.chmod(0o700)

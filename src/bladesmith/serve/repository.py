@@ -255,14 +255,8 @@ def _onnx_tensor(value) -> TensorSpec:
     from onnx import helper
 
     tensor_type = value.type.tensor_type
-    dims = []
-    for dim in tensor_type.shape.dim:
-        if not dim.HasField("dim_value"):
-            raise BladesmithError(
-                f"export triton: ONNX tensor {value.name!r} has a dynamic dimension "
-                f"({dim.dim_param or '?'}); fix it (bladesmith onnx fix --input-shape) first"
-            )
-        dims.append(dim.dim_value)
+    # A dimension the file leaves free (a batch exported dynamic) is Triton's -1.
+    dims = [dim.dim_value if dim.HasField("dim_value") else -1 for dim in tensor_type.shape.dim]
     dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
     if dtype not in TRITON_DTYPES:
         raise BladesmithError(f"export triton: ONNX tensor {value.name!r} has dtype {dtype}")
