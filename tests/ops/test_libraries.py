@@ -88,7 +88,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def _one_line_error(result: subprocess.CompletedProcess) -> str:
     assert result.returncode != 0
     assert "Traceback" not in result.stderr and "graph(" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    lines = [line for line in result.stderr.splitlines() if ": error: " in line]
     assert len(lines) == 1, result.stderr
     return lines[0]
 

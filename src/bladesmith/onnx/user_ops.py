@@ -26,6 +26,7 @@ a session registers their ONNX Runtime implementations before it starts.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -282,6 +283,7 @@ def _register_ort(entry: dict, node, types: dict[str, int], source: str) -> None
     _ORT_REGISTERED[op_type] = signature
 
 
+@functools.cache  # one function per operator: a second session finds it registered
 def _pytorch_kernel(name: str) -> Callable:
     """numpy in, numpy out through the operator's PyTorch kernel: the schema's tensor
     and list arguments come as inputs (in order), its scalars as attributes."""
