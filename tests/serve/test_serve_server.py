@@ -227,6 +227,6 @@ def test_serve_detector_answers_each_image_with_its_own_detections(detector_arti
 
 
 def test_serve_says_in_one_line_what_is_wrong(tmp_path, capsys):
-    assert main(["serve", str(tmp_path / "missing.pt2")]) == 1
+    assert main(["serve", str(tmp_path / "missing.pt2")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "missing.pt2" in err and len(err.splitlines()) == 1
+    assert ": error: " in err and "missing.pt2" in err and len(err.splitlines()) == 1

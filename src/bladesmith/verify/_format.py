@@ -20,6 +20,8 @@ def sci(value: float | None) -> str:
     """Compact numbers for summaries: 3.1e-3, 1e-5, 0.8, 12.5, 2e5, 0, n/a."""
     if value is None:
         return "n/a"
+    if not math.isfinite(value):
+        return str(value)  # nan, inf: a tolerance measured on non-finite outputs
     if value == 0 or 1e-2 <= abs(value) < 1e3:
         return f"{value:.3g}"
     mantissa, exponent = f"{value:.1e}".split("e")
