@@ -3,9 +3,12 @@
 # named (default: all of them). Logs and JSON go to $OUT (default ./out). Uses the
 # machine's own python3 and torch, and bladesmith from src/.
 #   bash benchmarks/gpu_suite.sh [cuda-tests] [cuda-ops-tests] [tests] [bench-ops] [bench-passes]
-#                                [bench-optimize]
+#       [bench-optimize] [bench-optimize-b1] [probe-reload] [bench-models] [bench-scripted]
+#       [bench-families]
 # cuda-tests runs only the tests marked `cuda` (the rest run in CI on the CPU);
-# cuda-ops-tests only those of the custom operators.
+# cuda-ops-tests only those of the custom operators. A step written NAME:SECONDS is
+# stopped after that many seconds (its log so far is kept), so that a call to a machine
+# with a time limit still returns every step's log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
@@ -14,11 +17,14 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export BLADESMITH_CACHE=${BLADESMITH_CACHE:-/tmp/bladesmith-cache} MAX_JOBS=${MAX_JOBS:-16}
 steps=${*:-cuda-tests bench-ops bench-optimize}
 status=0
+limit=0  # seconds for the step being run (0: no limit)
 step() {  # step NAME COMMAND...: run it, log to $out/NAME.log, remember a failure
     local name=$1; shift
     echo "=== $name: $*"
     local start=$SECONDS
-    "$@" 2>&1 | tee "$out/$name.log" | tail -n 60
+    local stop=()
+    [ "$limit" -gt 0 ] && stop=(timeout -k 10 "$limit")
+    "${stop[@]}" "$@" 2>&1 | tee "$out/$name.log" | tail -n 60
     local rc=${PIPESTATUS[0]}
     echo "=== $name: exit $rc after $((SECONDS - start)) s"
     [ "$rc" -eq 0 ] || status=1
@@ -27,6 +33,8 @@ pytest=(python3 -X faulthandler -m pytest -q -ra -p no:cacheprovider)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | tee "$out/gpu.txt"
 step build python3 -m bladesmith ops build --cuda
 for s in $steps; do
+    limit=0
+    case $s in *:*) limit=${s#*:}; s=${s%%:*} ;; esac
     case $s in
         cuda-tests) step cuda-tests "${pytest[@]}" --maxfail=25 -m cuda tests ;;
         cuda-ops-tests) step cuda-ops-tests "${pytest[@]}" --maxfail=25 -m cuda tests/ops ;;
@@ -44,6 +52,16 @@ for s in $steps; do
                 step "bench-optimize-b$batch" python3 benchmarks/bench_optimize.py --batches "$batch" \
                     --json "$out/bench_optimize_b$batch.json"
             done ;;
+        bench-optimize-b1) step bench-optimize-b1 python3 benchmarks/bench_optimize.py --batches 1 \
+            --json "$out/bench_optimize_b1.json" ;;
+        probe-reload) step probe-reload python3 -X faulthandler benchmarks/probe_reload.py \
+            --device cuda --out /tmp/probe-reload ;;
+        bench-models) step bench-models python3 benchmarks/bench_models.py --device cuda \
+            --json "$out/bench_models.json" ;;
+        bench-scripted) step bench-scripted python3 benchmarks/bench_scripted_retinanet.py \
+            --device cuda --batches 1 32 --json "$out/bench_scripted.json" ;;
+        bench-families) step bench-families python3 benchmarks/bench_families.py \
+            --json "$out/bench_families.json" ;;
         *) echo "unknown step $s"; status=1 ;;
     esac
 done

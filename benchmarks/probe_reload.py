@@ -9,6 +9,7 @@ tail of its output (faulthandler on, so a crash shows its Python stack).
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import textwrap
@@ -42,6 +43,20 @@ _CHILDREN = {
         r = torch._inductor.aoti_load_package(PATH)
         print("loaded aoti after ops")
     """,
+    "cuda first then aoti": """
+        import torch
+        torch.zeros(1, device="cuda")
+        r = torch._inductor.aoti_load_package(PATH)
+        print("loaded aoti after CUDA init")
+        out = r(*ARGS())
+        torch.cuda.synchronize()
+        print("ran ok")
+    """,
+    "single-threaded aoti": """
+        import torch
+        r = torch._inductor.aoti_load_package(PATH, run_single_threaded=True)
+        print("loaded aoti single-threaded")
+    """,
     "raw library then aoti": """
         import torch
         from bladesmith.ops import build
@@ -63,17 +78,36 @@ class Tiny(nn.Module):
         return self.body(x)
 
 
-def _child(code: str, path: Path, args_code: str) -> None:
+def _child(code: str, path: Path, args_code: str, env: dict | None = None) -> None:
     source = f"PATH = {str(path)!r}\ndef ARGS():\n    {args_code}\n" + textwrap.dedent(code)
     result = subprocess.run(
         [sys.executable, "-X", "faulthandler", "-c", source],
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, **(env or {})},
     )
     tail = (result.stdout + result.stderr).strip().splitlines()[-25:]
     print(f"--- rc={result.returncode}")
     print("\n".join(tail))
+
+
+def _pure_torch(out: Path, device: str) -> None:
+    """A package made by torch alone (no bladesmith, no metadata), loaded by torch alone:
+    whether a crash is bladesmith's or the machine's. The last libraries the dynamic
+    loader opened are printed for a child that crashes (LD_DEBUG)."""
+    model = Tiny().to(device).eval()
+    x = torch.randn(1, 3, 32, 32, device=device)
+    path = out / "pure.pt2"
+    exported = torch.export.export(model, (x,), strict=False)
+    torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+    print("===== pure torch: same process", torch._inductor.aoti_load_package(str(path))(x)[0].shape)
+    args_code = f"import torch; return (torch.randn(1,3,32,32, device={device!r}),)"
+    for variant in ("aoti only", "cuda first then aoti", "single-threaded aoti"):
+        print(f"== pure.pt2: {variant}", flush=True)
+        _child(_CHILDREN[variant], path, args_code)
+    print("== pure.pt2: aoti only, LD_DEBUG=files", flush=True)
+    _child(_CHILDREN["aoti only"], path, args_code, env={"LD_DEBUG": "files"})
 
 
 def main() -> None:
@@ -86,6 +120,7 @@ def main() -> None:
     height, width = (int(v) for v in options.size.split("x"))
     device = options.device
 
+    _pure_torch(options.out, device)
     cases = []
     tiny = Tiny().eval()
     tiny_args = (torch.randn(1, 3, 32, 32),)
