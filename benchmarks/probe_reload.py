@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -78,7 +79,7 @@ class Tiny(nn.Module):
         return self.body(x)
 
 
-def _child(code: str, path: Path, args_code: str, env: dict | None = None) -> None:
+def _child(code: str, path: Path, args_code: str, env: dict | None = None, lines=25) -> None:
     source = f"PATH = {str(path)!r}\ndef ARGS():\n    {args_code}\n" + textwrap.dedent(code)
     result = subprocess.run(
         [sys.executable, "-X", "faulthandler", "-c", source],
@@ -87,27 +88,72 @@ def _child(code: str, path: Path, args_code: str, env: dict | None = None) -> No
         timeout=600,
         env={**os.environ, **(env or {})},
     )
-    tail = (result.stdout + result.stderr).strip().splitlines()[-25:]
+    tail = (result.stdout + result.stderr).strip().splitlines()[-lines:]
     print(f"--- rc={result.returncode}")
     print("\n".join(tail))
 
 
 def _pure_torch(out: Path, device: str) -> None:
-    """A package made by torch alone (no bladesmith, no metadata), loaded by torch alone:
-    whether a crash is bladesmith's or the machine's. The last libraries the dynamic
-    loader opened are printed for a child that crashes (LD_DEBUG)."""
+    """Packages made by torch alone (no bladesmith, no metadata), on the CPU and on
+    ``device``, each loaded only in children by torch alone: whether a crash is
+    bladesmith's or the machine's, and the CPU's or the device's. For a crash, the last
+    libraries the dynamic loader opened (LD_DEBUG) and the native stack (segv_backtrace.c).
+    Then the same model as a bare shared object (no package) run by torch's runner."""
+    for where in dict.fromkeys(("cpu", device)):
+        model = Tiny().to(where).eval()
+        x = torch.randn(1, 3, 32, 32, device=where)
+        path = out / f"pure-{where}.pt2"
+        exported = torch.export.export(model, (x,), strict=False)
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+        print(f"===== pure torch on {where}: {path} ({path.stat().st_size} bytes)", flush=True)
+        args_code = f"import torch; return (torch.randn(1,3,32,32, device={where!r}),)"
+        code = """
+            import torch
+            r = torch._inductor.aoti_load_package(PATH)
+            print("loaded")
+            r(*ARGS())
+            print("ran ok")
+        """
+        for variant, env in (("plain", None), ("LD_DEBUG=files", {"LD_DEBUG": "files"})):
+            print(f"== {path.name}: {variant}", flush=True)
+            _child(code, path, args_code, env=env)
+        stack = _native_stack_library(out)
+        if stack:
+            print(f"== {path.name}: native stack (LD_PRELOAD {stack.name})", flush=True)
+            _child(code, path, args_code, env={"LD_PRELOAD": str(stack)}, lines=60)
+    _bare_shared_object(device)
+
+
+def _bare_shared_object(device: str) -> None:
     model = Tiny().to(device).eval()
     x = torch.randn(1, 3, 32, 32, device=device)
-    path = out / "pure.pt2"
-    exported = torch.export.export(model, (x,), strict=False)
-    torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
-    print("===== pure torch: same process", torch._inductor.aoti_load_package(str(path))(x)[0].shape)
+    try:
+        exported = torch.export.export(model, (x,), strict=False)
+        so_path = torch._inductor.aot_compile(exported.module(), (x,))
+    except Exception as error:  # noqa: BLE001 - a probe reports every failure
+        print(f"===== bare .so on {device}: not made: {type(error).__name__}: {error}"[:400])
+        return
+    print(f"===== bare .so on {device}: {so_path}", flush=True)
+    on_cuda = device.startswith("cuda")
+    runner = f"Cuda(PATH, 1, {device!r})" if on_cuda else "Cpu(PATH, 1)"
+    code = f"""
+        import torch
+        r = torch._C._aoti.AOTIModelContainerRunner{runner}
+        print("loaded")
+        r.run(list(ARGS()))
+        print("ran ok")
+    """
     args_code = f"import torch; return (torch.randn(1,3,32,32, device={device!r}),)"
-    for variant in ("aoti only", "cuda first then aoti", "single-threaded aoti"):
-        print(f"== pure.pt2: {variant}", flush=True)
-        _child(_CHILDREN[variant], path, args_code)
-    print("== pure.pt2: aoti only, LD_DEBUG=files", flush=True)
-    _child(_CHILDREN["aoti only"], path, args_code, env={"LD_DEBUG": "files"})
+    _child(code, Path(so_path), args_code)
+
+
+def _native_stack_library(out: Path) -> Path | None:
+    """segv_backtrace.c built into ``out`` (None where no C compiler is)."""
+    library = out / "segv_backtrace.so"
+    source = Path(__file__).with_name("segv_backtrace.c")
+    if not library.exists() and shutil.which("gcc"):
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    return library if library.exists() else None
 
 
 def main() -> None:
