@@ -191,6 +191,39 @@ def test_compare_alternates_which_runs_first():
     assert timed == ["A", "A", "B", "B", "B", "B", "A", "A", "A", "A", "B", "B"]
 
 
+def test_compare_runs_more_rounds_while_undecided_and_continues_the_alternation():
+    order, seen = [], []
+
+    def undecided(speedup):
+        seen.append(len(speedup.round_ratios))
+        return True
+
+    speedup = bench.compare(
+        lambda: order.append("A"),
+        lambda: order.append("B"),
+        warmup=0,
+        iters=4,
+        rounds=2,
+        undecided=undecided,
+        max_extensions=2,
+    )
+    assert seen == [2, 4]  # asked after the first rounds and after the first extension
+    assert len(speedup.round_ratios) == 6
+    assert speedup.baseline.iterations == speedup.candidate.iterations == 12
+    # The extensions go on alternating: round 3 starts with A, as every odd round does.
+    assert order == ["A", "A", "B", "B", "B", "B", "A", "A"] * 3
+    decided = bench.compare(
+        lambda: None,
+        lambda: None,
+        warmup=0,
+        iters=4,
+        rounds=2,
+        undecided=lambda speedup: False,
+        max_extensions=2,
+    )
+    assert len(decided.round_ratios) == 2
+
+
 def test_compare_reads_a_real_speedup_with_an_interval():
     speedup = bench.compare(
         lambda: time.sleep(0.008), lambda: time.sleep(0.002), warmup=1, iters=20

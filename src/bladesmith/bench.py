@@ -216,6 +216,8 @@ def compare(
     device=None,
     batch_size: int = 1,
     progress: Progress | None = None,
+    undecided: Callable[[Speedup], bool] | None = None,
+    max_extensions: int = 0,
 ) -> Speedup:
     """Time ``baseline`` and ``candidate`` on the same arguments in alternating rounds.
 
@@ -224,9 +226,18 @@ def compare(
     that neither always inherits the other's caches or clock. A change of load between
     rounds moves both sides of a round's ratio alike. ``progress`` gets ("warmup", done,
     2 * warmup) and ("timing", round, rounds).
+
+    While ``undecided(speedup)`` holds (its interval straddles the bar a caller decides
+    on, say), the same rounds run again, at most ``max_extensions`` times, and the
+    figure is taken over all of them: more rounds narrow the interval, so a real gain on
+    a noisy machine is not lost to a handful of disturbed rounds.
     """
     _check_counts(
-        warmup=(warmup, 0), iters=(iters, 1), rounds=(rounds, 1), batch_size=(batch_size, 1)
+        warmup=(warmup, 0),
+        iters=(iters, 1),
+        rounds=(rounds, 1),
+        batch_size=(batch_size, 1),
+        max_extensions=(max_extensions, 0),
     )
     kwargs = dict(kwargs or {})
     clock = _Clock(_device(device, (args, kwargs)))
@@ -236,18 +247,33 @@ def compare(
     wall: list[list[list[float]]] = [[], []]  # [which][round] -> samples
     cpu: list[list[list[float]]] = [[], []]
     load_before = _load_per_core()
+
+    def run_rounds(total: int) -> None:
+        for size in sizes:
+            for which in (0, 1) if len(wall[0]) % 2 == 0 else (1, 0):
+                samples, cpu_samples = clock.time(calls[which], size)
+                wall[which].append(samples)
+                cpu[which].append(cpu_samples)
+            _report(progress, "timing", len(wall[0]), total)
+
     with _collector_held(), clock.selected():
         for which, call in enumerate(calls):
             for done in range(1, warmup + 1):
                 call()
                 _report(progress, "warmup", which * warmup + done, 2 * warmup)
         clock.synchronize()
-        for index, size in enumerate(sizes):
-            for which in (0, 1) if index % 2 == 0 else (1, 0):
-                samples, cpu_samples = clock.time(calls[which], size)
-                wall[which].append(samples)
-                cpu[which].append(cpu_samples)
-            _report(progress, "timing", index + 1, rounds)
+        run_rounds(rounds)
+        speedup = _speedup(clock, wall, cpu, warmup, batch_size, load_before)
+        for extension in range(1, max_extensions + 1):
+            if undecided is None or not undecided(speedup):
+                break
+            run_rounds(rounds * (extension + 1))
+            speedup = _speedup(clock, wall, cpu, warmup, batch_size, load_before)
+    return speedup
+
+
+def _speedup(clock, wall, cpu, warmup: int, batch_size: int, load_before) -> Speedup:
+    """The Speedup of the rounds timed so far, with its doubts."""
     loads = [value for value in (load_before, _load_per_core()) if value is not None]
     timings = [clock.timing(_flat(runs), warmup, batch_size) for runs in wall]
     ratios = _round_ratios(wall[0], wall[1])
