@@ -236,15 +236,15 @@ def write(optimized: OptimizedModule, path: Path, form: str = "", *, inductor_co
 
 
 def reload_problem(optimized: OptimizedModule, path: Path) -> str | None:
-    """Why the artifact at ``path`` is not ``optimized`` (it does not load, or its outputs
-    on the example input differ past the spec's tolerance), or None when it is."""
+    """Why the artifact at ``path`` is not ``optimized`` (it does not load and run in a
+    new process, or its outputs on the example input differ past the spec's tolerance
+    there), or None when it is."""
+    from bladesmith.fresh_load import run_saved
     from bladesmith.verify import compare_outputs
 
-    try:
-        loaded = load(path)
-        got = loaded(*optimized.example_args)
-    except Exception as error:
-        return f"it does not load back ({type(error).__name__}: {error})"
+    got, problem = run_saved(path, optimized.example_args)
+    if problem is not None:
+        return f"it does not load back: {problem}"
     tolerance = optimized.spec.tolerance
     comparison = compare_outputs(
         optimized(*optimized.example_args),

@@ -1,0 +1,59 @@
+"""Load a saved artifact and run it in a new Python process, as a deployment would.
+
+A loader that crashes (a native segmentation fault inside torch's AOTInductor package
+loader, say) would take the saving process down with it; in a child it becomes an exit
+status, and the artifact is reported as not loading rather than the save crashing. A
+new process also proves what an in-process reload cannot: that nothing the saving
+process had loaded (operator libraries, compiled kernels) is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+_CHILD = """
+import sys, torch, bladesmith
+module = bladesmith.load(sys.argv[1])
+args = torch.load(sys.argv[2], weights_only=True)
+torch.save(module(*args), sys.argv[3])
+"""
+TIMEOUT_S = 600
+
+
+def run_saved(path: Path, args: tuple) -> tuple[object, str | None]:
+    """(the outputs of ``bladesmith.load(path)(*args)`` computed in a new process, None),
+    or (None, why it failed there: the child's last error line or the signal that
+    ended it)."""
+    with tempfile.TemporaryDirectory(prefix="bladesmith-reload-") as folder:
+        inputs, outputs = Path(folder) / "args.pt", Path(folder) / "outputs.pt"
+        torch.save(tuple(args), inputs)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        try:
+            result = subprocess.run(
+                [sys.executable, "-c", _CHILD, str(path), str(inputs), str(outputs)],
+                capture_output=True,
+                text=True,
+                timeout=TIMEOUT_S,
+                env=env,
+            )
+        except subprocess.TimeoutExpired:
+            return None, f"loading and running it in a new process took over {TIMEOUT_S} s"
+        if result.returncode != 0:
+            return None, _why(result)
+        return torch.load(outputs, weights_only=True), None
+
+
+def _why(result: subprocess.CompletedProcess) -> str:
+    if result.returncode < 0:
+        name = signal.Signals(-result.returncode).name
+        return f"a new process loading it was killed by {name} (torch's loader crashed)"
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else f"exit status {result.returncode}"
+    return f"a new process could not load and run it ({last})"
