@@ -123,6 +123,16 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
 
     def pool(self, pooler: nn.Module, features: dict[str, torch.Tensor], boxes: torch.Tensor):
         """``MultiScaleRoIAlign`` on boxes [B, K, 4]: [B * K, C, h, w]."""
+        batch, count = boxes.shape[:2]
+        index = torch.arange(batch, device=boxes.device, dtype=boxes.dtype)
+        rois = torch.cat([index.repeat_interleave(count)[:, None], boxes.reshape(-1, 4)], dim=1)
+        return self.pool_rois(pooler, features, rois)
+
+    def pool_rois(self, pooler: nn.Module, features: dict[str, torch.Tensor], rois: torch.Tensor):
+        """``MultiScaleRoIAlign`` on rois [N, 5] (image index, box): [N, C, h, w]. On a
+        GPU every level pools every box (fixed shapes, one CUDA graph) and each box keeps
+        its own level's result; on a CPU, where nothing is captured, each level pools
+        only its own boxes, as torchvision does (a quarter of the work on four levels)."""
         from torchvision.ops import roi_align
         from torchvision.ops.poolers import _setup_scales
 
@@ -136,27 +146,49 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
             pooler.canonical_scale,
             pooler.canonical_level,
         )
-        batch, count = boxes.shape[:2]
-        flat = boxes.reshape(-1, 4)
-        index = torch.arange(batch, device=boxes.device, dtype=boxes.dtype)
-        rois = torch.cat([index.repeat_interleave(count)[:, None], flat], dim=1)
+        size, ratio = pooler.output_size, pooler.sampling_ratio
         if len(levels) == 1:
-            return roi_align(levels[0], rois, pooler.output_size, scales[0], pooler.sampling_ratio)
-        level_of = mapper([flat])[:, None, None, None]
+            return roi_align(levels[0], rois, size, scales[0], ratio)
+        level_of = mapper([rois[:, 1:]])
+        if rois.device.type == "cpu":
+            first = levels[0]
+            pooled = first.new_zeros(rois.shape[0], first.shape[1], *_pair(size))
+            for level, (feature, scale) in enumerate(zip(levels, scales)):
+                mine = torch.nonzero(level_of == level).squeeze(1)
+                out = roi_align(feature, rois[mine].to(feature.dtype), size, scale, ratio)
+                pooled = pooled.index_copy(0, mine, out.to(pooled.dtype))
+            return pooled
+        level_of = level_of[:, None, None, None]
         pooled = None
         for level, (feature, scale) in enumerate(zip(levels, scales)):
-            out = roi_align(
-                feature, rois.to(feature.dtype), pooler.output_size, scale, pooler.sampling_ratio
-            )
+            out = roi_align(feature, rois.to(feature.dtype), size, scale, ratio)
             pooled = out if pooled is None else torch.where(level_of == level, out, pooled)
         return pooled
+
+    def classify(self, features, proposals, proposal_valid):
+        """(class logits [B * P, K], box regression [B * P, 4K]) of every proposal slot.
+        On a CPU only the valid proposals run the head (torchvision's count, not the
+        fixed ``post_nms_top_n``); the padded slots read 0 and are masked after."""
+        if proposals.device.type != "cpu":
+            pooled = self.pool(self.box_roi_pool, features, proposals)
+            return self.box_predictor(self.box_head(pooled))
+        batch, count = proposals.shape[:2]
+        slots = torch.nonzero(proposal_valid.reshape(-1)).squeeze(1)
+        image = torch.div(slots, count, rounding_mode="floor").to(proposals.dtype)
+        rois = torch.cat([image[:, None], proposals.reshape(-1, 4)[slots]], dim=1)
+        pooled = self.pool_rois(self.box_roi_pool, features, rois)
+        logits, regression = self.box_predictor(self.box_head(pooled))
+        every = batch * count
+        return (
+            logits.new_zeros(every, logits.shape[1]).index_copy(0, slots, logits),
+            regression.new_zeros(every, regression.shape[1]).index_copy(0, slots, regression),
+        )
 
     def detect(self, features, proposals, proposal_valid):
         """The box head on every proposal slot, per-class decode and NMS: padded
         detections in resized image coordinates."""
         batch, count = proposals.shape[:2]
-        pooled = self.pool(self.box_roi_pool, features, proposals)
-        class_logits, box_regression = self.box_predictor(self.box_head(pooled))
+        class_logits, box_regression = self.classify(features, proposals, proposal_valid)
         num_classes = class_logits.shape[-1]
         boxes = self.box_coder.decode_single(box_regression.float(), proposals.reshape(-1, 4))
         boxes = steps.clip_boxes(boxes.view(batch, count, -1, 4), self.transform.resized_size)
@@ -210,6 +242,10 @@ class MaskRCNNPipeline(FasterRCNNPipeline):
         pasted = pasted.view(*labels.shape, 1, *self.transform.image_size)
         pasted = pasted * (labels >= 0)[..., None, None, None]
         return boxes, scores, labels, num, pasted
+
+
+def _pair(size) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else tuple(size)
 
 
 def paste_masks(masks: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]):
