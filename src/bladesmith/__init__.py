@@ -17,7 +17,7 @@ _EXPORTS = {
     "save": ("bladesmith.artifact", "save"),
     "load": ("bladesmith.artifact", "load"),
     "Report": ("bladesmith.report", "Report"),
-    "doctor": ("bladesmith.doctor", "doctor"),
+    "doctor": ("bladesmith.environment", "doctor"),
     "devices": ("bladesmith.devices", None),
     "ops": ("bladesmith.ops", None),
     "onnx": ("bladesmith.onnx", None),

@@ -11,9 +11,9 @@ import pytest
 
 from bladesmith.cli import main
 from bladesmith.devices import DeviceInfo
-from bladesmith.doctor import DoctorResult, OpsStatus, Package, Pitfall, Tool, Toolchain
+from bladesmith.environment import DoctorResult, OpsStatus, Package, Pitfall, Tool, Toolchain
 
-doctor_module = importlib.import_module("bladesmith.doctor")  # not bladesmith.doctor: the function
+doctor_module = importlib.import_module("bladesmith.environment")
 
 
 def test_help_lists_the_subcommands(capsys):

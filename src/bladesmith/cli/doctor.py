@@ -42,7 +42,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bladesmith.doctor import doctor
+    from bladesmith.environment import doctor
 
     result = doctor(site_dirs=args.site_dir)
     if args.json:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bladesmith.doctor import (
+from bladesmith.environment import (
     OpsStatus,
     Tool,
     Toolchain,
@@ -30,7 +30,7 @@ from bladesmith.doctor import (
     find_binary_pth_files,
 )
 
-doctor_module = importlib.import_module("bladesmith.doctor")  # not bladesmith.doctor: the function
+doctor_module = importlib.import_module("bladesmith.environment")
 
 posix_only = pytest.mark.skipif(os.name == "nt", reason="uses a POSIX venv layout and shell")
 
