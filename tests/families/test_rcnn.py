@@ -44,8 +44,13 @@ def run_both(model, pipeline, images):
         return model(list(images)), pipeline(images)
 
 
-def test_faster_rcnn_equals_the_torchvision_model(faster):
-    model, pipeline = faster
+@pytest.mark.parametrize("fixed_shapes", [None, True], ids=["cpu-compacted", "gpu-fixed"])
+def test_faster_rcnn_equals_the_torchvision_model(faster, fixed_shapes):
+    """Both RoI paths: the CPU's (valid proposals only, each level its own boxes) and
+    the GPU's fixed shapes (every level pools every slot), here run on the CPU."""
+    model, _ = faster
+    pipeline = FasterRCNNPipeline(model, SIZE)
+    pipeline.fixed_shapes = fixed_shapes
     reference, outputs = run_both(model, pipeline, sample_images(3, SIZE))
     assert_realistic(reference, 50)
     assert outputs[0].shape == (3, model.roi_heads.detections_per_img, 4)
@@ -89,8 +94,11 @@ def test_no_detection_over_the_threshold_gives_only_padding(faster):
     assert num.tolist() == [0] and (labels == -1).all() and (boxes == 0).all()
 
 
-def test_mask_rcnn_equals_the_torchvision_model(mask):
-    model, pipeline = mask
+@pytest.mark.parametrize("fixed_shapes", [None, True], ids=["cpu-compacted", "gpu-fixed"])
+def test_mask_rcnn_equals_the_torchvision_model(mask, fixed_shapes):
+    model, _ = mask
+    pipeline = MaskRCNNPipeline(model, SIZE)
+    pipeline.fixed_shapes = fixed_shapes
     reference, outputs = run_both(model, pipeline, sample_images(2, SIZE))
     assert_realistic(reference, 50)
     assert_padded_equal_reference(outputs, reference)

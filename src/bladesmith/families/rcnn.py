@@ -45,6 +45,9 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
     """
 
     float32_buffers = ("anchors",)
+    # Fixed shapes for RoI pooling and the box head: None picks them on GPUs only (one
+    # CUDA graph); on a CPU only the valid proposals run, each level pooling its own.
+    fixed_shapes: bool | None = None
 
     def __init__(self, model: nn.Module, image_size: tuple[int, int]):
         super().__init__()
@@ -150,7 +153,7 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
         if len(levels) == 1:
             return roi_align(levels[0], rois, size, scales[0], ratio)
         level_of = mapper([rois[:, 1:]])
-        if rois.device.type == "cpu":
+        if not self.keeps_shapes(rois):
             first = levels[0]
             pooled = first.new_zeros(rois.shape[0], first.shape[1], *_pair(size))
             for level, (feature, scale) in enumerate(zip(levels, scales)):
@@ -165,23 +168,30 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
             pooled = out if pooled is None else torch.where(level_of == level, out, pooled)
         return pooled
 
+    def keeps_shapes(self, tensor: torch.Tensor) -> bool:
+        return self.fixed_shapes if self.fixed_shapes is not None else tensor.is_cuda
+
     def classify(self, features, proposals, proposal_valid):
         """(class logits [B * P, K], box regression [B * P, 4K]) of every proposal slot.
         On a CPU only the valid proposals run the head (torchvision's count, not the
         fixed ``post_nms_top_n``); the padded slots read 0 and are masked after."""
-        if proposals.device.type != "cpu":
+        if self.keeps_shapes(proposals):
             pooled = self.pool(self.box_roi_pool, features, proposals)
             return self.box_predictor(self.box_head(pooled))
-        batch, count = proposals.shape[:2]
-        slots = torch.nonzero(proposal_valid.reshape(-1)).squeeze(1)
+        count = proposals.shape[1]
+        valid = proposal_valid.reshape(-1)
+        slots = torch.nonzero(valid).squeeze(1)
         image = torch.div(slots, count, rounding_mode="floor").to(proposals.dtype)
         rois = torch.cat([image[:, None], proposals.reshape(-1, 4)[slots]], dim=1)
         pooled = self.pool_rois(self.box_roi_pool, features, rois)
-        logits, regression = self.box_predictor(self.box_head(pooled))
-        every = batch * count
-        return (
-            logits.new_zeros(every, logits.shape[1]).index_copy(0, slots, logits),
-            regression.new_zeros(every, regression.shape[1]).index_copy(0, slots, regression),
+        outputs = self.box_predictor(self.box_head(pooled))
+        # Back to one row per slot: a valid slot reads its own row, a padded one a row of
+        # zeros appended at the end (shapes from tensors, so a traced batch stays free).
+        counted = valid.long()  # ONNX's CumSum and ReduceSum take no bool
+        rows = torch.where(valid, counted.cumsum(0) - 1, counted.sum())
+        return tuple(
+            torch.cat([out, out.new_zeros(1, out.shape[1])]).index_select(0, rows)
+            for out in outputs
         )
 
     def detect(self, features, proposals, proposal_valid):
