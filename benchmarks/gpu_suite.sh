@@ -4,7 +4,7 @@
 # machine's own python3 and torch, and bladesmith from src/.
 #   bash benchmarks/gpu_suite.sh [cuda-tests] [cuda-ops-tests] [tests] [bench-ops] [bench-passes]
 #       [bench-optimize] [bench-optimize-b1] [probe-reload] [bench-models] [bench-scripted]
-#       [bench-families]
+#       [bench-families] [bench-serve]
 # cuda-tests runs only the tests marked `cuda` (the rest run in CI on the CPU);
 # cuda-ops-tests only those of the custom operators. A step written NAME:SECONDS is
 # stopped after that many seconds (its log so far is kept), so that a call to a machine
@@ -62,6 +62,13 @@ for s in $steps; do
             --device cuda --batches 1 32 --json "$out/bench_scripted.json" ;;
         bench-families) step bench-families python3 benchmarks/bench_families.py \
             --json "$out/bench_families.json" ;;
+        bench-serve)  # Triton from the carried wheels (.whl, see benchmarks/README.md)
+            python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+                .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+            step serve-artifact python3 -m bladesmith optimize --device cuda --batch 32 \
+                --out /tmp/rn32.pt
+            step bench-serve python3 benchmarks/bench_serve.py --artifact /tmp/rn32.pt \
+                --instances 2 --json "$out/bench_serve.json" ;;
         *) echo "unknown step $s"; status=1 ;;
     esac
 done
