@@ -159,7 +159,7 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
             for level, (feature, scale) in enumerate(zip(levels, scales)):
                 mine = torch.nonzero(level_of == level).squeeze(1)
                 out = roi_align(feature, rois[mine].to(feature.dtype), size, scale, ratio)
-                pooled = pooled.index_copy(0, mine, out.to(pooled.dtype))
+                pooled.index_copy_(0, mine, out.to(pooled.dtype))  # in place, as torchvision
             return pooled
         level_of = level_of[:, None, None, None]
         pooled = None
