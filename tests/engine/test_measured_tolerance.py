@@ -1,6 +1,7 @@
 """Float32 passes are judged at a tolerance measured on the model (its outputs under
 float32 rounding noise), not a fixed 1e-5: ResNet-50's norm folding is kept, a wrong
-pass is still rejected, and Config(rtol=, atol=) still overrides."""
+pass is still rejected, and Config(rtol=, atol=) still overrides. Half precision is
+measured the same way, in its own rounding."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from torchvision.models import resnet50
 import bladesmith
 from bladesmith.passes import Candidate, Pass
 from bladesmith.passes.norm_folding import NormFolding
+from bladesmith.passes.precision import BFloat16
+from bladesmith.verify import compare_outputs, default_tolerance
 
 # Accuracy decides here: a 2-core machine shared with other work times too noisily.
 QUICK = bladesmith.Config(warmup=0, iters=2, min_speedup=0.01, progress=False)
@@ -70,3 +73,42 @@ def test_config_tolerances_override_the_measured_one(resnet):
     )
     assert records(report)["norm_folding"].status == "rejected"  # folding rounds weights
     assert report.tolerance == {"rtol": 0.0, "atol": 0.0, "why": "Config(rtol=0, atol=0)"}
+
+
+class CpuBFloat16(BFloat16):
+    """The bf16 pass, let onto the CPU (which has bfloat16 convolutions) for the test."""
+
+    devices = ("cpu",)
+
+
+class BFloat16OneConvHalfOff(CpuBFloat16):
+    """A wrong half-precision pass: bf16, and one convolution's weights 1.5 times."""
+
+    name = "bf16_one_conv_half_off"
+
+    def apply(self, candidate: Candidate, context) -> Candidate:
+        module = copy.deepcopy(candidate.module)
+        with torch.no_grad():
+            module.layer3[2].conv2.weight.mul_(1.5)
+        return super().apply(candidate.with_module(module, "broken"), context)
+
+
+def test_half_precision_is_judged_at_a_tolerance_measured_in_its_own_rounding(resnet):
+    """ResNet-50 in bfloat16 moves its logits about 0.3, past the fixed bfloat16
+    tolerance (1e-2 + 5e-2 x |logit|) near zero logits, yet less than rounding its
+    weights to bfloat16 moves them: it is kept, a broken bf16 pass is not."""
+    model, x = resnet
+    with torch.no_grad():
+        in_bf16 = copy.deepcopy(model).to(torch.bfloat16)(x.to(torch.bfloat16)).float()
+    rtol, atol = default_tolerance(torch.bfloat16)
+    assert not compare_outputs(model(x), in_bf16, rtol=rtol, atol=atol).passed
+    _, _, report = bladesmith.optimize(
+        model, "o1", device="cpu", test_data=[x], config=QUICK, passes=[CpuBFloat16()]
+    )
+    record = records(report)["bf16"]  # judged by accuracy: timing may still drop it
+    assert record.accuracy["passed"] and "within tolerance" in record.reason, record.reason
+    _, _, broken = bladesmith.optimize(
+        model, "o1", device="cpu", test_data=[x], config=QUICK, passes=[BFloat16OneConvHalfOff()]
+    )
+    wrong = records(broken)["bf16_one_conv_half_off"]
+    assert wrong.status == "rejected" and "moved past tolerance" in wrong.reason

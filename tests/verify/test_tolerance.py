@@ -66,3 +66,25 @@ def test_noise_tolerances_are_ten_times_the_spread_never_below_rounding_at_scale
     assert measured.tolerances["out[1]"].atol == pytest.approx(10 * 4 * 2.0**-23)
     assert measured.atol == measured.tolerances["out[0]"].atol and measured.rtol == 1e-4
     assert "10 x the most (3.1e-06)" in measured.why
+
+
+def test_half_precision_tolerances_use_their_types_rounding_and_margin():
+    from bladesmith.verify import noise_tolerances
+    from bladesmith.verify.tolerance import HALF_NOISE_MARGIN, half_unit
+
+    assert half_unit(torch.float16) == 2.0**-11 and half_unit(torch.bfloat16) == 2.0**-8
+    reference = {"out": torch.tensor([1.0, -8.0])}
+    runs = [{"out": torch.tensor([1.0 + 1e-3, -8.0])}]
+    measured = noise_tolerances(
+        reference,
+        runs,
+        rtol=1e-2,
+        unit=half_unit(torch.float16),
+        unit_name="float16",
+        margin=HALF_NOISE_MARGIN,
+        computed_in="float16",
+    )
+    # The larger of the spread (1e-3) and rounding at the output's scale (8 x 2^-11).
+    assert measured.atol == pytest.approx(HALF_NOISE_MARGIN * 8 * 2.0**-11)
+    assert measured.why.startswith("float16 outputs within rtol 0.01")
+    assert f"{HALF_NOISE_MARGIN:g} x the most" in measured.why

@@ -25,7 +25,13 @@ from bladesmith.verify import (
     rounding_unit,
     tensor_paths,
 )
-from bladesmith.verify.tolerance import NOISE_RUNS, TF32_NOISE
+from bladesmith.verify.tolerance import (
+    HALF_NOISE_MARGIN,
+    NOISE_MARGIN,
+    NOISE_RUNS,
+    TF32_NOISE,
+    half_unit,
+)
 
 # Rounding noise to probe a detector with: each weight moved by about float16's (and
 # TF32's) unit roundoff, 2^-11 of itself.
@@ -64,42 +70,74 @@ class Reference:
         self.outputs, self.model, self.context, self.family = outputs, model, context, family
         self.flips = family is not None or contains_detections(outputs)
         self._noisy: list | None = None
+        self._measured: dict[torch.dtype, NoiseTolerances | None] = {}
         self.measured = None if context.config.atol is not None else self._measure()
 
-    def _measure(self) -> NoiseTolerances | None:
-        """The float32 outputs' tolerances, from the model under rounding noise; None
-        when it has no floating-point tensor output (detections are matched) or cannot
-        be copied (the fixed default then applies, and a note says why)."""
+    def _measure(self, dtype: torch.dtype = torch.float32) -> NoiseTolerances | None:
+        """The tolerances of outputs computed in ``dtype`` (float32, or a 16-bit type of
+        the precision passes), from the model under that arithmetic's rounding noise;
+        None when it has no floating-point tensor output (detections are matched) or
+        cannot be copied (the fixed default then applies, and a note says why)."""
+        if dtype in self._measured:
+            return self._measured[dtype]
         outputs = {p: t for p, t in tensor_paths(self.outputs) if t.is_floating_point()}
-        if not outputs:
-            return None
         config, device = self.context.config, self.context.device
-        rtol = config.rtol if config.rtol is not None else default_tolerance(torch.float32)[0]
-        unit, unit_name = rounding_unit(device, self.model)
-        try:
-            with self.context.step("running the model as given under float32 rounding noise"):
-                runs = reference_under_noise(
-                    self.model, self.context.test_args, runs=NOISE_RUNS, relative=unit
+        result = None
+        if outputs:
+            if dtype == torch.float32:
+                unit, unit_name = rounding_unit(device, self.model)
+                rtol, margin = default_tolerance(torch.float32)[0], NOISE_MARGIN
+            else:
+                unit, unit_name = half_unit(dtype), _dtype_name(dtype)
+                rtol, margin = default_tolerance(dtype)[0], HALF_NOISE_MARGIN
+            rtol = config.rtol if config.rtol is not None else rtol
+            try:
+                with self.context.step(
+                    f"running the model as given under {_dtype_name(dtype)} rounding noise"
+                ):
+                    runs = reference_under_noise(
+                        self.model, self.context.test_args, runs=NOISE_RUNS, relative=unit
+                    )
+            except Exception as error:
+                self.context.notes.append(f"tolerance: not measured ({describe(error)})")
+            else:
+                result = noise_tolerances(
+                    outputs,
+                    [dict(tensor_paths(run)) for run in runs],
+                    rtol,
+                    unit,
+                    unit_name,
+                    margin=margin,
+                    computed_in=_dtype_name(dtype),
                 )
-        except Exception as error:
-            self.context.notes.append(f"tolerance: not measured ({describe(error)})")
+        self._measured[dtype] = result
+        return result
+
+    def _measured_for(self, dtype: torch.dtype) -> NoiseTolerances | None:
+        """The measured tolerances that judge outputs computed in ``dtype``: float32's
+        and, unless the outputs are detections (matched by their family's rules), the
+        16-bit types' (measured on first use); none where Config sets atol."""
+        if self.measured is None:
             return None
-        return noise_tolerances(
-            outputs, [dict(tensor_paths(run)) for run in runs], rtol, unit, unit_name
-        )
+        if dtype == torch.float32:
+            return self.measured
+        if dtype in (torch.float16, torch.bfloat16) and not self.flips:
+            return self._measure(dtype)
+        return None
 
     def tolerance(self, dtype: torch.dtype, config: Config) -> dict:
         """The tolerance outputs computed in ``dtype`` are judged at: rtol, atol (the
         largest, where it is measured per output) and why."""
-        if dtype == torch.float32 and self.measured is not None:
-            return self.measured.to_dict()
+        measured = self._measured_for(dtype)
+        if measured is not None:
+            return measured.to_dict()
         rtol, atol = default_tolerance(dtype)
         if config.rtol is not None or config.atol is not None:
             rtol = config.rtol if config.rtol is not None else rtol
             atol = config.atol if config.atol is not None else atol
             why = f"Config(rtol={rtol:g}, atol={atol:g})"
         else:
-            why = f"the default for {str(dtype).removeprefix('torch.')} outputs"
+            why = f"the default for {_dtype_name(dtype)} outputs"
         return {"rtol": rtol, "atol": atol, "why": why}
 
     def noisy(self) -> list:
@@ -122,7 +160,7 @@ class Reference:
         a detector's with the noisy runs when that fails."""
         tolerance = self.tolerance(dtype, config)
         rtol, atol = tolerance["rtol"], tolerance["atol"]
-        measured = dtype == torch.float32 and self.measured is not None
+        measured = self._measured_for(dtype)
 
         by = self.family.compare if self.family is not None else compare_outputs
 
@@ -133,7 +171,7 @@ class Reference:
                 noisy=noisy,
                 rtol=rtol,
                 atol=atol,
-                tolerances=self.measured.tolerances if measured else None,
+                tolerances=measured.tolerances if measured else None,
                 iou_threshold=config.iou_threshold,
                 min_f1=config.min_f1,
                 score_atol=max(rtol + atol, detection_score_tolerance(dtype)),
@@ -143,3 +181,7 @@ class Reference:
 
         comparison = compare(())
         return compare(self.noisy()) if self.flips and not comparison.passed else comparison
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
