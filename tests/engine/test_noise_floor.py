@@ -1,0 +1,79 @@
+"""A detector whose own detections rounding alone moves past the gate (a two-stage
+detector with random weights: proposals flip, and the second stage follows them) is
+judged at that floor: a change of arithmetic as small as TF32's is kept, a wrong pass is
+still rejected, and the report says so."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import bladesmith
+from bladesmith.families.rcnn import build_rcnn
+from bladesmith.models.images import sample_images
+from bladesmith.passes import Candidate, Pass
+from bladesmith.passes.fixed_shape import FixedShape
+
+SIZE = (160, 224)
+SMALL = dict(num_classes=5, rpn_pre_nms_top_n_test=300, rpn_post_nms_top_n_test=200)
+# Accuracy decides here: a 2-core machine shared with other work times too noisily.
+QUICK = bladesmith.Config(warmup=0, iters=2, min_speedup=0.01, progress=False)
+
+
+class OtherArithmetic(Pass):
+    """Every convolution and linear layer's outputs moved by 2^-11 of themselves, as
+    another kernel in TF32 moves them on a GPU (seeded: the same each call)."""
+
+    name = "other_arithmetic"
+
+    def apply(self, candidate: Candidate, context) -> Candidate:
+        module = copy.deepcopy(candidate.module)
+        generator = torch.Generator().manual_seed(0)
+
+        def jitter(layer, inputs, output):
+            draw = torch.randn(output.shape, generator=generator)
+            return output * (1 + 2.0**-11 * draw)
+
+        for layer in module.modules():
+            if isinstance(layer, (torch.nn.Conv2d, torch.nn.Linear)):
+                layer.register_forward_hook(jitter)
+        return candidate.with_module(module, self.name)
+
+
+class FirstConvHalfOff(Pass):
+    """A wrong pass: the backbone's first convolution's weights 1.5 times."""
+
+    name = "first_conv_half_off"
+
+    def apply(self, candidate: Candidate, context) -> Candidate:
+        module = copy.deepcopy(candidate.module)
+        first = next(m for m in module.backbone.modules() if isinstance(m, torch.nn.Conv2d))
+        with torch.no_grad():
+            first.weight.mul_(1.5)
+        return candidate.with_module(module, self.name)
+
+
+@pytest.fixture(scope="module")
+def report():
+    model = build_rcnn("fasterrcnn_mobilenet_v3_large_fpn", SIZE, **SMALL)
+    images = list(sample_images(2, SIZE))
+    passes = [FixedShape(), OtherArithmetic(), FirstConvHalfOff()]
+    return bladesmith.optimize(
+        model, "o1", device="cpu", test_data=[(images,)], config=QUICK, passes=passes
+    )[2]
+
+
+def test_a_change_of_arithmetic_is_kept_at_the_models_own_noise_floor(report):
+    records = {record.name: record for record in report.optimizations}
+    other = records["other_arithmetic"]
+    assert other.accuracy["passed"] and "within tolerance" in other.reason, other.reason
+    notes = report.diagnosis["notes"]
+    assert len([note for note in notes if "judged at that floor" in note]) == 1, notes
+    assert "judged at that floor" in report.diagnosis["message"]
+
+
+def test_a_wrong_pass_is_still_rejected_at_the_floor(report):
+    wrong = {record.name: record for record in report.optimizations}["first_conv_half_off"]
+    assert wrong.status == "rejected" and "moved past tolerance" in wrong.reason, wrong.reason
