@@ -42,7 +42,7 @@ def main() -> None:
     rows, reports = [], {}
     with tempfile.TemporaryDirectory(prefix="bladesmith-scripted-") as directory:
         model_file = Path(directory) / "retinanet.pt"
-        script_retinanet(args.input_size, model_file)
+        script_retinanet(args.input_size, model_file, device)
         with quiet_torchscript():
             scripted = torch.jit.load(str(model_file), map_location=device).eval()
         for batch in args.batches:
@@ -74,10 +74,12 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(payload, indent=2, default=str) + "\n")
 
 
-def script_retinanet(image_size: tuple[int, int], path: Path) -> None:
-    """The user's model file: the fixed-shape pipeline traced to TorchScript."""
-    pipeline = RetinaNetPipeline(build_retinanet(image_size), image_size).eval()
-    images = sample_images(1, image_size)
+def script_retinanet(image_size: tuple[int, int], path: Path, device: torch.device) -> None:
+    """The user's model file: the fixed-shape pipeline traced to TorchScript on the
+    device it will run on, as a user deploying it would (a trace records the device of
+    every tensor it creates)."""
+    pipeline = RetinaNetPipeline(build_retinanet(image_size), image_size).to(device).eval()
+    images = sample_images(1, image_size, device=device)
     with quiet_torchscript(), torch.no_grad():
         traced = torch.jit.trace(pipeline, (images,), check_trace=False)
         torch.jit.save(traced, str(path))
