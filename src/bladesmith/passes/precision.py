@@ -4,6 +4,12 @@ The model's floating-point parameters and buffers (a TorchScript model's too), a
 floating-point inputs, are cast to the half type; its floating-point outputs are cast
 back to float32, so callers see the dtype they had. bf16 (wider range, fewer mantissa
 bits) is tried only when fp16 was not kept, for models whose activations overflow fp16.
+
+A traced TorchScript model can hold its dtypes as constants (``mean.to(x.dtype)``
+traced on float32 inputs casts to float32 for good), so its half weights then meet
+float32 activations. Such a model runs under ``torch.autocast`` instead, which chooses
+each operator's precision as it is called, whatever the graph says. Tracing drops
+autocast, so its ``.pt`` save runs in float32 (as accurate, not as fast).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
+from bladesmith.runtimes.torchscript import is_torchscript
 
 
 class CastFloats(nn.Module):
@@ -30,6 +37,28 @@ class CastFloats(nn.Module):
     def forward(self, *args, **kwargs):
         args, kwargs = pytree.tree_map(lambda x: _cast(x, self.dtype), (args, kwargs))
         return pytree.tree_map(lambda x: _cast(x, self.output_dtype), self.module(*args, **kwargs))
+
+
+class AutocastFloats(nn.Module):
+    """``module`` called under ``torch.autocast`` in ``dtype``; outputs cast to
+    ``output_dtype``. Its weights stay as they are."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, output_dtype: torch.dtype):
+        super().__init__()
+        self.module = module
+        self.dtype = dtype
+        self.output_dtype = output_dtype
+
+    def forward(self, *args, **kwargs):
+        device_type = _device_type((args, kwargs))
+        with torch.autocast(device_type, dtype=self.dtype):
+            outputs = self.module(*args, **kwargs)
+        return pytree.tree_map(lambda x: _cast(x, self.output_dtype), outputs)
+
+
+def _device_type(tree) -> str:
+    tensors = [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+    return tensors[0].device.type if tensors else "cpu"
 
 
 def _cast(value, dtype: torch.dtype):
@@ -57,6 +86,13 @@ class Float16(Pass):
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
         module = copy.deepcopy(candidate.module).to(self.dtype)
         wrapped = CastFloats(module, self.dtype, output_dtype=candidate.dtype)
+        example = candidate.runner_args(context.example_args)
+        if is_torchscript(candidate.module) and _fails(wrapped, example):
+            context.notes.append(
+                f"{self.name}: the TorchScript model keeps float32 casts in its graph; "
+                "it runs under torch.autocast instead (its .pt save runs in float32)"
+            )
+            wrapped = AutocastFloats(candidate.module, self.dtype, candidate.dtype)
         return candidate.with_module(wrapped, self.name, dtype=self.dtype)
 
 
@@ -72,6 +108,16 @@ class BFloat16(Float16):
         if context.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             return f"{torch.cuda.get_device_name(context.device)} has no bf16 support"
         return super().skip_reason(candidate, context)
+
+
+def _fails(module: nn.Module, args: tuple) -> bool:
+    """Whether ``module`` raises on ``args`` (a dtype mismatch inside the graph)."""
+    try:
+        with torch.no_grad():
+            module(*args)
+    except RuntimeError:
+        return True
+    return False
 
 
 def _name(dtype: torch.dtype) -> str:

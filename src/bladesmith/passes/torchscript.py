@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from bladesmith.passes.candidate import Candidate
+from bladesmith.passes.precision import AutocastFloats
 from bladesmith.passes.registry import Context, Pass
 from bladesmith.runtimes.torchscript import freeze, is_torchscript, quiet_torchscript
 from bladesmith.spec import TORCHSCRIPT_SUFFIX
@@ -31,10 +32,17 @@ class TorchScriptFreeze(Pass):
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
         example = candidate.runner_args(context.example_args)
+        module, autocast = candidate.module, None
+        if isinstance(module, AutocastFloats):  # a trace would drop autocast: keep it outside
+            module, autocast = module.module, module
         with context.step("tracing and freezing with TorchScript"):
-            frozen = freeze(candidate.module, example)
+            frozen = freeze(module, example)
             with quiet_torchscript():
-                optimized = torch.jit.optimize_for_inference(frozen)
+                if autocast is None:
+                    runner = torch.jit.optimize_for_inference(frozen)
+                else:  # freezing folds; optimize_for_inference's oneDNN and fused cuDNN
+                    # convolutions are operators autocast does not cast
+                    runner = AutocastFloats(frozen, autocast.dtype, autocast.output_dtype)
                 with torch.no_grad():
-                    optimized(*example)  # the profiling executor specialises on first runs
-        return candidate.with_runner(optimized, self.name)
+                    runner(*example)  # the profiling executor specialises on first runs
+        return candidate.with_runner(runner, self.name)
