@@ -189,7 +189,7 @@ class Reference:
         comparison = compare(outputs, self.noisy())
         if comparison.passed:
             return comparison
-        floor = self.noise_floor(lambda run, others: compare(run, others), config, score_atol)
+        floor = self.noise_floor(compare, config, score_atol)
         if floor is None:
             return comparison
         return compare(outputs, self.noisy(), min_f1=floor[0], scores=floor[1])

@@ -89,8 +89,8 @@ class Float16(Pass):
         example = candidate.runner_args(context.example_args)
         if is_torchscript(candidate.module) and _fails(wrapped, example):
             context.notes.append(
-                f"{self.name}: the TorchScript model keeps float32 casts in its graph; "
-                "it runs under torch.autocast instead (its .pt save runs in float32)"
+                f"{self.name}: the TorchScript model keeps float32 casts in its graph, so "
+                f"{self.name} is tried under torch.autocast (a .pt save of it runs in float32)"
             )
             wrapped = AutocastFloats(candidate.module, self.dtype, candidate.dtype)
         return candidate.with_module(wrapped, self.name, dtype=self.dtype)
