@@ -22,6 +22,7 @@ from bladesmith.verify import (
     contains_detections,
     default_tolerance,
     detection_score_tolerance,
+    dtype_name,
     noise_tolerances,
     rounding_unit,
     tensor_paths,
@@ -75,7 +76,7 @@ class Reference:
         self.outputs, self.model, self.context, self.family = outputs, model, context, family
         self.flips = family is not None or contains_detections(outputs)
         self._noisy: list | None = None
-        self._floor: tuple[float, float] | None | bool = False  # False: not yet measured
+        self._floor: tuple[float, int, float] | None | bool = False  # False: not yet measured
         self._measured: dict[torch.dtype, NoiseTolerances | None] = {}
         self.measured = None if context.config.atol is not None else self._measure()
 
@@ -94,12 +95,12 @@ class Reference:
                 unit, unit_name = rounding_unit(device, self.model)
                 rtol, margin = default_tolerance(torch.float32)[0], NOISE_MARGIN
             else:
-                unit, unit_name = half_unit(dtype), _dtype_name(dtype)
+                unit, unit_name = half_unit(dtype), dtype_name(dtype)
                 rtol, margin = default_tolerance(dtype)[0], HALF_NOISE_MARGIN
             rtol = config.rtol if config.rtol is not None else rtol
             try:
                 with self.context.step(
-                    f"running the model as given under {_dtype_name(dtype)} rounding noise"
+                    f"running the model as given under {dtype_name(dtype)} rounding noise"
                 ):
                     runs = reference_under_noise(
                         self.model, self.context.test_args, runs=NOISE_RUNS, relative=unit
@@ -114,7 +115,7 @@ class Reference:
                     unit,
                     unit_name,
                     margin=margin,
-                    computed_in=_dtype_name(dtype),
+                    computed_in=dtype_name(dtype),
                 )
         self._measured[dtype] = result
         return result
@@ -143,7 +144,7 @@ class Reference:
             atol = config.atol if config.atol is not None else atol
             why = f"Config(rtol={rtol:g}, atol={atol:g})"
         else:
-            why = f"the default for {_dtype_name(dtype)} outputs"
+            why = f"the default for {dtype_name(dtype)} outputs"
         return {"rtol": rtol, "atol": atol, "why": why}
 
     def noisy(self) -> list:
@@ -245,7 +246,3 @@ class Reference:
             max(d.reference_count + d.candidate_count - 2 * d.matched for d in found),
             max(d.max_score_deviation or 0.0 for d in found),
         )
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

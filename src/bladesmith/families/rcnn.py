@@ -155,7 +155,7 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
         level_of = mapper([rois[:, 1:]])
         if not self.keeps_shapes(rois):
             first = levels[0]
-            pooled = first.new_zeros(rois.shape[0], first.shape[1], *_pair(size))
+            pooled = first.new_zeros(rois.shape[0], first.shape[1], *size)  # size: (h, w)
             for level, (feature, scale) in enumerate(zip(levels, scales)):
                 mine = torch.nonzero(level_of == level).squeeze(1)
                 out = roi_align(feature, rois[mine].to(feature.dtype), size, scale, ratio)
@@ -252,10 +252,6 @@ class MaskRCNNPipeline(FasterRCNNPipeline):
         pasted = pasted.view(*labels.shape, 1, *self.transform.image_size)
         pasted = pasted * (labels >= 0)[..., None, None, None]
         return boxes, scores, labels, num, pasted
-
-
-def _pair(size) -> tuple[int, int]:
-    return (size, size) if isinstance(size, int) else tuple(size)
 
 
 def paste_masks(masks: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]):

@@ -39,15 +39,9 @@ class CastFloats(nn.Module):
         return pytree.tree_map(lambda x: _cast(x, self.output_dtype), self.module(*args, **kwargs))
 
 
-class AutocastFloats(nn.Module):
+class AutocastFloats(CastFloats):
     """``module`` called under ``torch.autocast`` in ``dtype``; outputs cast to
-    ``output_dtype``. Its weights stay as they are."""
-
-    def __init__(self, module: nn.Module, dtype: torch.dtype, output_dtype: torch.dtype):
-        super().__init__()
-        self.module = module
-        self.dtype = dtype
-        self.output_dtype = output_dtype
+    ``output_dtype``. Its weights and inputs stay as they are."""
 
     def forward(self, *args, **kwargs):
         device_type = _device_type((args, kwargs))

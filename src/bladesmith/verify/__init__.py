@@ -7,6 +7,7 @@ nothing (``ties``: what rounding alone may change in a
 detector's output), ``outputs`` the walk over a model's output structure.
 """
 
+from bladesmith.verify._format import dtype_name
 from bladesmith.verify.degenerate import degenerate_reasons
 from bladesmith.verify.detections import (
     DetectionComparison,
@@ -38,6 +39,7 @@ __all__ = [
     "default_tolerance",
     "degenerate_reasons",
     "detection_score_tolerance",
+    "dtype_name",
     "is_detection_list",
     "noise_tolerances",
     "rounding_unit",

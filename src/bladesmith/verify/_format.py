@@ -5,6 +5,11 @@ from __future__ import annotations
 import math
 
 
+def dtype_name(dtype) -> str:
+    """A torch dtype as reports write it: "float16", not "torch.float16"."""
+    return str(dtype).removeprefix("torch.")
+
+
 def ratio(numerator: int, denominator: int) -> float:
     if denominator == 0:
         return 1.0 if numerator == 0 else 0.0

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bladesmith.bench import percentile
-from bladesmith.verify._format import finite_or_none, sci
+from bladesmith.verify._format import dtype_name, finite_or_none, sci
 from bladesmith.verify.tolerance import default_tolerance
 
 
@@ -108,8 +108,8 @@ def compare_tensors(reference, candidate, rtol=None, atol=None) -> TensorCompari
     result = TensorComparison(
         passed=False,
         shape=tuple(candidate.shape),
-        dtype=_dtype_name(candidate.dtype),
-        reference_dtype=_dtype_name(reference.dtype),
+        dtype=dtype_name(candidate.dtype),
+        reference_dtype=dtype_name(reference.dtype),
         rtol=rtol,
         atol=atol,
     )
@@ -173,7 +173,3 @@ def _kind(dtype: torch.dtype) -> str:
     if dtype.is_complex:
         return "complex"
     return "float" if dtype.is_floating_point else "int"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
