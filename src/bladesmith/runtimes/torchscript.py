@@ -39,4 +39,53 @@ def freeze(module: nn.Module, example_args: tuple) -> torch.jit.ScriptModule:
             if isinstance(module, torch.jit.ScriptModule)
             else torch.jit.trace(module.eval(), example_args, check_trace=False)
         )
-        return torch.jit.freeze(scripted.eval())
+        frozen = torch.jit.freeze(scripted.eval())
+    host_scalar_constants(frozen.graph)
+    return frozen
+
+
+# Operators that read a tensor's value on the host: on a GPU tensor, a synchronisation.
+_HOST_READS = frozenset(
+    {"aten::Int", "aten::Float", "aten::Bool", "aten::ScalarImplicit", "aten::item"}
+)
+_HOPS = 8  # how far a constant's uses are followed to a host read
+
+
+def host_scalar_constants(graph: torch._C.Graph) -> int:
+    """Integer scalar constants that the host reads, moved back to the CPU; returns how
+    many. A trace turns shape arithmetic (``(x.shape[1] + 1) // 2``) into operations on
+    scalar tensors, CPU ones; ``torch.jit.load(..., map_location="cuda")`` moves every
+    constant to the GPU, and then each ``int()`` of such a result waits for the GPU: no
+    CUDA graph can be captured. On the CPU they are scalars again (a CPU scalar combines
+    with GPU tensors), and the arithmetic never leaves the host."""
+    moved = host_read_constants(graph)
+    for node in moved:
+        with graph.insert_point_guard(node):
+            host = graph.insertConstant(node.t("value").cpu())
+        node.output().replaceAllUsesWith(host)
+        node.destroy()
+    return len(moved)
+
+
+def host_read_constants(graph: torch._C.Graph) -> list[torch._C.Node]:
+    """The integer scalar constants off the CPU whose values the host reads."""
+    found = []
+    for node in graph.findAllNodes("prim::Constant"):
+        if not node.hasAttribute("value") or node.kindOf("value") != "t":
+            continue
+        value = node.t("value")
+        if value.dim() != 0 or value.device.type == "cpu" or value.is_floating_point():
+            continue
+        if _read_on_host(node.output()):
+            found.append(node)
+    return found
+
+
+def _read_on_host(value: torch._C.Value, hops: int = _HOPS) -> bool:
+    for use in value.uses():
+        user = use.user
+        if user.kind() in _HOST_READS:
+            return True
+        if hops > 1 and any(_read_on_host(output, hops - 1) for output in user.outputs()):
+            return True
+    return False
