@@ -89,6 +89,7 @@ def main() -> int:
     parser.add_argument("--max-queue-delay-us", type=int, default=2000)
     parser.add_argument("--seconds", type=float, default=10.0, help="in-process timing")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--log", metavar="PATH", help="keep the server's log here")
     args = parser.parse_args()
     if not args.artifact and not args.small:
         parser.error("give --artifact PATH or --small")
@@ -98,6 +99,7 @@ def main() -> int:
         module = bladesmith.load(artifact)
         batch = module.spec.input_shapes[0][0]
         in_process = in_process_images_per_second(module, args.seconds)
+        print(f"in-process: {in_process:,.1f} images/s at batch {batch}", flush=True)
         del module  # the server's instances hold their own copies
         http, grpc, metrics = free_ports(3)
         server = bladesmith.serve(
@@ -109,7 +111,7 @@ def main() -> int:
             instances=args.instances,
             max_queue_delay_us=args.max_queue_delay_us,
             block=False,
-            log=Path(folder) / "triton.log",
+            log=Path(args.log or Path(folder) / "triton.log"),
         )
         try:
             rows = loadtest(server.url, "model", concurrency=concurrency, requests=args.requests)
@@ -117,7 +119,6 @@ def main() -> int:
             server.stop()
     device = "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"{artifact.name} (batch {batch}), {args.instances} instance(s), {device}")
-    print(f"in-process: {in_process:,.1f} images/s at batch {batch}")
     print(
         f"{'concurrency':>11} {'images/s':>10} {'vs in-proc':>10} {'p50 ms':>8} "
         f"{'p90 ms':>8} {'p99 ms':>8} {'wrong':>5} {'failed':>6}"

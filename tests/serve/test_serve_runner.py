@@ -157,3 +157,21 @@ def test_on_a_gpu_each_runner_replays_its_own_cuda_graph(tmp_path):
         # TF32 convolutions on the GPU: within float32's loose tolerance.
         np.testing.assert_allclose(answer_a["output_0"], expected(a)[0], rtol=1e-2, atol=1e-2)
         np.testing.assert_allclose(answer_b["output_0"], expected(b)[0], rtol=1e-2, atol=1e-2)
+
+
+def test_loadtest_judges_detections_as_the_gate_does_and_still_catches_a_mix_up(
+    detector_artifact,
+):
+    from bladesmith.serve.loadtest import _same
+
+    path, photos = detector_artifact
+    runner = BucketRunner(bladesmith.load(path))
+    other = (
+        photos[0] + 0.3 * torch.rand(photos[0].shape, generator=torch.Generator().manual_seed(1))
+    ).clamp(0, 1)
+    first, second = runner.answer([[photos[0][None].numpy()], [other[None].numpy()]])
+    assert int(first["num_detections"].sum()) > 0 and int(second["num_detections"].sum()) > 0
+    # What another slot of a GPU batch does to a row: every score moved by 3e-4.
+    moved = dict(first, scores=first["scores"] + np.float32(3e-4) * (first["labels"] >= 0))
+    assert _same(moved, first)
+    assert not _same(second, first) and not _same(first, second)

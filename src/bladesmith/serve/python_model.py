@@ -50,6 +50,18 @@ class TritonPythonModel:
             if isinstance(answer, str):
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(answer)))
             else:
-                tensors = [pb_utils.Tensor(name, value) for name, value in answer.items()]
+                tensors = [_tensor(name, value) for name, value in answer.items()]
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses
+
+
+def _tensor(name, array):
+    """An output tensor, handed over through DLPack: the stub's pybind11 reads a NumPy
+    array's item size from NumPy 1's struct layout, so under NumPy 2 an array arrived
+    with no bytes. DLPack carries no bool; those go as arrays."""
+    import numpy as np
+    import torch
+
+    if array.dtype == np.bool_:
+        return pb_utils.Tensor(name, array)
+    return pb_utils.Tensor.from_dlpack(name, torch.from_numpy(np.ascontiguousarray(array)))
