@@ -4,11 +4,14 @@
 # machine's own python3 and torch, and bladesmith from src/.
 #   bash benchmarks/gpu_suite.sh [cuda-tests] [cuda-ops-tests] [tests] [bench-ops] [bench-passes]
 #       [bench-optimize] [bench-optimize-b1] [probe-reload] [bench-models] [bench-scripted]
-#       [bench-families] [bench-serve]
+#       [bench-families] [family-NAME] [probe-capture] [probe-serve-batches]
+#       [bench-serve]
 # cuda-tests runs only the tests marked `cuda` (the rest run in CI on the CPU);
-# cuda-ops-tests only those of the custom operators. A step written NAME:SECONDS is
-# stopped after that many seconds (its log so far is kept), so that a call to a machine
-# with a time limit still returns every step's log.
+# cuda-ops-tests only those of the custom operators. family-NAME runs bench_families.py
+# for one family (retinanet, fcos, ssd300, ...) at the batch sizes in $FAMILY_BATCHES
+# (default 1), in a process of its own. A step written NAME:SECONDS is stopped after
+# that many seconds (its log so far is kept), so that a call to a machine with a time
+# limit still returns every step's log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
@@ -59,16 +62,20 @@ for s in $steps; do
         bench-models) step bench-models python3 benchmarks/bench_models.py --device cuda \
             --json "$out/bench_models.json" ;;
         bench-scripted) step bench-scripted python3 benchmarks/bench_scripted_retinanet.py \
-            --device cuda --batches 1 32 --json "$out/bench_scripted.json" ;;
+            --device cuda --batches 1 32 --warmup 5 --iters 30 --json "$out/bench_scripted.json" ;;
+        probe-capture) step probe-capture python3 benchmarks/probe_capture.py --out /tmp/probe-capture ;;
         bench-families) step bench-families python3 benchmarks/bench_families.py \
             --json "$out/bench_families.json" ;;
+        family-*) step "$s" python3 benchmarks/bench_families.py --families "${s#family-}" \
+            --batches ${FAMILY_BATCHES:-1} --warmup 5 --iters 25 --json "$out/$s.json" ;;
+        probe-serve-batches) step probe-serve-batches python3 benchmarks/probe_serve_batches.py ;;
         bench-serve)  # Triton from the carried wheels (.whl, see benchmarks/README.md)
             python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
                 .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
             step serve-artifact python3 -m bladesmith optimize --device cuda --batch 32 \
                 --out /tmp/rn32.pt
             step bench-serve python3 benchmarks/bench_serve.py --artifact /tmp/rn32.pt \
-                --instances 2 --json "$out/bench_serve.json" ;;
+                --instances 2 --json "$out/bench_serve.json" --log "$out/triton.log" ;;
         *) echo "unknown step $s"; status=1 ;;
     esac
 done
