@@ -4,7 +4,7 @@
 # machine's own python3 and torch, and bladesmith from src/.
 #   bash benchmarks/gpu_suite.sh [cuda-tests] [cuda-ops-tests] [tests] [bench-ops] [bench-passes]
 #       [bench-optimize] [bench-optimize-b1] [probe-reload] [bench-models] [bench-scripted]
-#       [bench-families] [family-NAME] [probe-capture] [probe-serve-batches]
+#       [bench-families] [family-NAME] [probe-capture] [probe-capture-rcnn] [probe-serve-batches]
 #       [bench-serve]
 # cuda-tests runs only the tests marked `cuda` (the rest run in CI on the CPU);
 # cuda-ops-tests only those of the custom operators. family-NAME runs bench_families.py
@@ -64,6 +64,8 @@ for s in $steps; do
         bench-scripted) step bench-scripted python3 benchmarks/bench_scripted_retinanet.py \
             --device cuda --batches 1 32 --warmup 5 --iters 30 --json "$out/bench_scripted.json" ;;
         probe-capture) step probe-capture python3 benchmarks/probe_capture.py --out /tmp/probe-capture ;;
+        probe-capture-rcnn) step probe-capture-rcnn python3 benchmarks/probe_capture.py \
+            --family faster_rcnn mask_rcnn ;;
         bench-families) step bench-families python3 benchmarks/bench_families.py \
             --json "$out/bench_families.json" ;;
         family-*) step "$s" python3 benchmarks/bench_families.py --families "${s#family-}" \

@@ -90,6 +90,7 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
         self.grid_sizes = dict(
             zip(_feature_names(model.backbone, self.transform.padded_size), grid_sizes)
         )
+        self.pool_levels = {"box_roi_pool": self._levels(self.box_roi_pool)}
         self.eval()  # an exporter restores the mode it found, on every submodule
 
     def features(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -124,31 +125,40 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
         )
         return boxes, labels >= 0
 
-    def pool(self, pooler: nn.Module, features: dict[str, torch.Tensor], boxes: torch.Tensor):
-        """``MultiScaleRoIAlign`` on boxes [B, K, 4]: [B * K, C, h, w]."""
-        batch, count = boxes.shape[:2]
-        index = torch.arange(batch, device=boxes.device, dtype=boxes.dtype)
-        rois = torch.cat([index.repeat_interleave(count)[:, None], boxes.reshape(-1, 4)], dim=1)
-        return self.pool_rois(pooler, features, rois)
-
-    def pool_rois(self, pooler: nn.Module, features: dict[str, torch.Tensor], rois: torch.Tensor):
-        """``MultiScaleRoIAlign`` on rois [N, 5] (image index, box): [N, C, h, w]. On a
-        GPU every level pools every box (fixed shapes, one CUDA graph) and each box keeps
-        its own level's result; on a CPU, where nothing is captured, each level pools
-        only its own boxes, as torchvision does (a quarter of the work on four levels)."""
-        from torchvision.ops import roi_align
+    def _levels(self, pooler: nn.Module):
+        """torchvision's scales and level mapper for ``pooler``, from the static sizes:
+        computed once (torchvision infers them on a call, with host reads of tensors
+        that split a compiled graph)."""
         from torchvision.ops.poolers import _setup_scales
 
-        # torchvision's filter: the features it names, in the backbone's order.
-        names = [name for name in features if name in pooler.featmap_names]
-        levels = [features[name] for name in names]
-        # torchvision's scales and level mapper, from the static sizes.
+        names = [name for name in self.grid_sizes if name in pooler.featmap_names]
         scales, mapper = _setup_scales(
             [torch.empty(1, 1, *self.grid_sizes[name]) for name in names],
             [self.transform.resized_size],
             pooler.canonical_scale,
             pooler.canonical_level,
         )
+        return names, scales, mapper
+
+    def pool(self, pooler: str, features: dict[str, torch.Tensor], boxes: torch.Tensor):
+        """``MultiScaleRoIAlign`` (the attribute ``pooler``) on boxes [B, K, 4]:
+        [B * K, C, h, w]."""
+        batch, count = boxes.shape[:2]
+        index = torch.arange(batch, device=boxes.device, dtype=boxes.dtype)
+        rois = torch.cat([index.repeat_interleave(count)[:, None], boxes.reshape(-1, 4)], dim=1)
+        return self.pool_rois(pooler, features, rois)
+
+    def pool_rois(self, pooler: str, features: dict[str, torch.Tensor], rois: torch.Tensor):
+        """``MultiScaleRoIAlign`` (the attribute ``pooler``) on rois [N, 5] (image index,
+        box): [N, C, h, w]. On a GPU every level pools every box (fixed shapes, one CUDA
+        graph) and each box keeps its own level's result; on a CPU, where nothing is
+        captured, each level pools only its own boxes, as torchvision does (a quarter of
+        the work on four levels)."""
+        from torchvision.ops import roi_align
+
+        names, scales, mapper = self.pool_levels[pooler]
+        levels = [features[name] for name in names]
+        pooler = getattr(self, pooler)
         size, ratio = pooler.output_size, pooler.sampling_ratio
         if len(levels) == 1:
             return roi_align(levels[0], rois, size, scales[0], ratio)
@@ -176,14 +186,14 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
         On a CPU only the valid proposals run the head (torchvision's count, not the
         fixed ``post_nms_top_n``); the padded slots read 0 and are masked after."""
         if self.keeps_shapes(proposals):
-            pooled = self.pool(self.box_roi_pool, features, proposals)
+            pooled = self.pool("box_roi_pool", features, proposals)
             return self.box_predictor(self.box_head(pooled))
         count = proposals.shape[1]
         valid = proposal_valid.reshape(-1)
         slots = torch.nonzero(valid).squeeze(1)
         image = torch.div(slots, count, rounding_mode="floor").to(proposals.dtype)
         rois = torch.cat([image[:, None], proposals.reshape(-1, 4)[slots]], dim=1)
-        pooled = self.pool_rois(self.box_roi_pool, features, rois)
+        pooled = self.pool_rois("box_roi_pool", features, rois)
         outputs = self.box_predictor(self.box_head(pooled))
         # Back to one row per slot: a valid slot reads its own row, a padded one a row of
         # zeros appended at the end (shapes from tensors, so a traced batch stays free).
@@ -238,11 +248,12 @@ class MaskRCNNPipeline(FasterRCNNPipeline):
         self.mask_roi_pool = heads.mask_roi_pool
         self.mask_head = heads.mask_head
         self.mask_predictor = heads.mask_predictor
+        self.pool_levels["mask_roi_pool"] = self._levels(self.mask_roi_pool)
 
     def forward(self, images: torch.Tensor):
         features = self.features(images)
         boxes, scores, labels, num = self.detect(features, *self.proposals(features))
-        pooled = self.pool(self.mask_roi_pool, features, boxes)
+        pooled = self.pool("mask_roi_pool", features, boxes)
         logits = self.mask_predictor(self.mask_head(pooled)).float()
         # Each detection's mask is its own class's (padding reads class 0, then zeroed).
         flat_labels = labels.reshape(-1, 1, 1, 1).clamp(min=0)
@@ -372,7 +383,7 @@ def calibrate_rcnn(model: nn.Module, image_size: tuple[int, int]) -> None:
     classifier = model.roi_heads.box_predictor.cls_score
     classifier.bias.zero_()
     features = pipeline.features(photos)
-    pooled = pipeline.pool(model.roi_heads.box_roi_pool, features, pipeline.proposals(features)[0])
+    pooled = pipeline.pool("box_roi_pool", features, pipeline.proposals(features)[0])
     logits = model.roi_heads.box_predictor(model.roi_heads.box_head(pooled))[0]
     classifier.weight.mul_(_CLASS_LOGIT_STD / logits.std().clamp_min(1e-12))
 
