@@ -6,13 +6,16 @@
 
     # any machine: torchvision's ResNet-18 (random weights) at 3x32x32, batch 4, on the CPU
     python benchmarks/bench_serve.py --small
+    # any machine: what moving the images costs (a net of negligible compute, batch 8)
+    python benchmarks/bench_serve.py --transport 480x640 --shared-memory
 
 In-process: the loaded artifact called back to back on full batches of the size it was
 built for (its best throughput), one thread. Served: `bladesmith.serve` (Triton, dynamic
 batching into that batch size, ``--instances`` model instances), loaded by client threads
 sending one image per request at each concurrency, every answer checked against the
 server's answer for the same image alone (``bladesmith loadtest``). The ratio is served
-images/s over in-process images/s.
+images/s over in-process images/s. ``--shared-memory`` sends the images through system
+shared memory (the client's cost of sending them left out: what the server sustains).
 """
 
 from __future__ import annotations
@@ -69,6 +72,22 @@ def small_artifact(folder: Path) -> Path:
     return bladesmith.save(optimized, folder / "resnet18.pt")
 
 
+def transport_artifact(folder: Path, size: tuple[int, int]) -> Path:
+    """A net whose compute is negligible (pooling and a linear layer) on 3 x size images,
+    batch 8: served, it times moving the images."""
+    from torch import nn
+
+    from bladesmith.config import Config
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 10)).eval()
+    x = torch.rand(8, 3, *size)
+    optimized, _, _ = bladesmith.optimize(
+        model, device="cpu", test_data=[(x,)], config=Config(warmup=1, iters=3), passes=[]
+    )
+    return bladesmith.save(optimized, folder / "transport.pt")
+
+
 def free_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     for each in sockets:
@@ -80,9 +99,15 @@ def free_ports(count: int) -> list[int]:
 
 
 def main() -> int:
+    from bladesmith.cli.args import input_size
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--artifact", help="a .pt2/.pt/.onnx artifact from bladesmith")
     parser.add_argument("--small", action="store_true", help="ResNet-18 at 32x32 on the CPU")
+    parser.add_argument(
+        "--transport", type=input_size, metavar="HxW", help="a net of negligible compute"
+    )
+    parser.add_argument("--shared-memory", action="store_true", help="images in shared memory")
     parser.add_argument("--concurrency", default="1,8,32,128", help="default 1,8,32,128")
     parser.add_argument("--requests", type=int, default=1000, help="per concurrency")
     parser.add_argument("--instances", type=int, default=1, help="model instances")
@@ -91,11 +116,16 @@ def main() -> int:
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--log", metavar="PATH", help="keep the server's log here")
     args = parser.parse_args()
-    if not args.artifact and not args.small:
-        parser.error("give --artifact PATH or --small")
+    if not (args.artifact or args.small or args.transport):
+        parser.error("give --artifact PATH, --small or --transport HxW")
     concurrency = tuple(int(c) for c in args.concurrency.split(","))
     with tempfile.TemporaryDirectory() as folder:
-        artifact = Path(args.artifact) if args.artifact else small_artifact(Path(folder))
+        if args.artifact:
+            artifact = Path(args.artifact)
+        elif args.transport:
+            artifact = transport_artifact(Path(folder), args.transport)
+        else:
+            artifact = small_artifact(Path(folder))
         module = bladesmith.load(artifact)
         batch = module.spec.input_shapes[0][0]
         in_process = in_process_images_per_second(module, args.seconds)
@@ -114,11 +144,18 @@ def main() -> int:
             log=Path(args.log or Path(folder) / "triton.log"),
         )
         try:
-            rows = loadtest(server.url, "model", concurrency=concurrency, requests=args.requests)
+            rows = loadtest(
+                server.url,
+                "model",
+                concurrency=concurrency,
+                requests=args.requests,
+                shared_memory=args.shared_memory,
+            )
         finally:
             server.stop()
     device = "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"{artifact.name} (batch {batch}), {args.instances} instance(s), {device}")
+    through = "shared memory" if args.shared_memory else "HTTP"
+    print(f"{artifact.name} (batch {batch}), {args.instances} instance(s), {device}, {through}")
     print(
         f"{'concurrency':>11} {'images/s':>10} {'vs in-proc':>10} {'p50 ms':>8} "
         f"{'p90 ms':>8} {'p99 ms':>8} {'wrong':>5} {'failed':>6}"
@@ -135,6 +172,7 @@ def main() -> int:
             "batch": batch,
             "instances": args.instances,
             "device": device,
+            "shared_memory": args.shared_memory,
             "in_process_images_per_s": round(in_process, 2),
             "served": [vars(row) | {"ratio": row.throughput / in_process} for row in rows],
         }

@@ -175,3 +175,28 @@ def test_loadtest_judges_detections_as_the_gate_does_and_still_catches_a_mix_up(
     moved = dict(first, scores=first["scores"] + np.float32(3e-4) * (first["labels"] >= 0))
     assert _same(moved, first)
     assert not _same(second, first) and not _same(first, second)
+
+
+def test_outputs_that_view_the_input_survive_the_next_bucket(tmp_path):
+    # Flatten returns a view of its input: here, of the runner's staging buffer.
+    x = torch.randn(NET_BATCH, 3, 2, 2)
+    optimized, _, _ = bladesmith.optimize(
+        torch.nn.Flatten(), device="cpu", test_data=[(x,)], config=QUICK, passes=[]
+    )
+    runner = BucketRunner(bladesmith.load(bladesmith.save(optimized, tmp_path / "flat.pt")))
+    first = np.random.default_rng(0).standard_normal((2 * NET_BATCH + 1, 3, 2, 2), np.float32)
+    second = np.random.default_rng(1).standard_normal((3, 3, 2, 2), np.float32)
+    answers = runner.answer([[first], [second]])  # three buckets, the requests sharing one
+    np.testing.assert_array_equal(answers[0]["output_0"], first.reshape(len(first), -1))
+    np.testing.assert_array_equal(answers[1]["output_0"], second.reshape(len(second), -1))
+
+
+def test_non_finite_inputs_are_found_also_where_a_sum_overflows():
+    from bladesmith.serve.signature import _all_finite
+
+    huge = np.full((4, 8), 3e38, np.float32)  # finite, but its sum is not
+    assert _all_finite(huge) and _all_finite(np.zeros((2, 3), np.float32))
+    for bad in (np.nan, np.inf, -np.inf):
+        array = np.zeros((4, 8), np.float32)
+        array[3, 7] = bad
+        assert not _all_finite(array)

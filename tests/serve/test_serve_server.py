@@ -150,13 +150,19 @@ def test_serve_answers_concurrent_requests_refuses_bad_ones_and_stops_cleanly(se
         for r in json.loads(report.read_text())
     ]
     assert rows == [(1, 40, 0, 0), (8, 40, 0, 0)]
+    # The same through shared memory: answered alike, and every region freed after.
+    assert main([*arguments[:-2], "--shared-memory"]) == 0
+    client = triton.InferenceServerClient(url)
+    assert client.get_system_shared_memory_status() == []
+    client.close()
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith("bladesmith-")]
 
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as page:
         text = page.read().decode()
     success = next(
         line for line in text.splitlines() if line.startswith("nv_inference_request_success")
     )
-    assert float(success.split()[-1]) >= len(requests) + 1 + 40 * 2
+    assert float(success.split()[-1]) >= len(requests) + 1 + 40 * 4
 
     servers = _children(process.pid)
     assert servers, "no tritonserver child"

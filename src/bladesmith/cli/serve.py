@@ -53,6 +53,12 @@ def add_parser(subparsers) -> None:
     loadtest.add_argument(
         "--requests", type=at_least(1), default=200, help="requests per concurrency (default 200)"
     )
+    loadtest.add_argument(
+        "--shared-memory",
+        action="store_true",
+        help="send the images through system shared memory (a server on this machine): "
+        "what the server sustains, without the cost of sending them",
+    )
     loadtest.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     loadtest.set_defaults(func=run_loadtest)
 
@@ -117,7 +123,13 @@ def run_loadtest(args: argparse.Namespace) -> int:
     from bladesmith._files import write_atomically
     from bladesmith.serve.loadtest import loadtest, render
 
-    rows = loadtest(args.url, args.model, concurrency=args.concurrency, requests=args.requests)
+    rows = loadtest(
+        args.url,
+        args.model,
+        concurrency=args.concurrency,
+        requests=args.requests,
+        shared_memory=args.shared_memory,
+    )
     print(render(rows))
     if args.json:
         text = json.dumps([asdict(row) for row in rows], indent=2)

@@ -10,6 +10,9 @@ client is not thread-safe): make one per thread for concurrent requests.
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+
 import numpy as np
 
 from bladesmith.errors import BladesmithError
@@ -58,16 +61,22 @@ class Client:
         except InferenceServerException as error:
             raise BladesmithError(f"{self.url} ({self.model}): {error.message()}") from None
 
-    def infer(self, *arrays: np.ndarray) -> dict[str, np.ndarray]:
-        """One request: the model's inputs (rows first) -> its outputs by name."""
+    def infer(self, *arrays: np.ndarray, regions: list[str] | None = None) -> dict[str, np.ndarray]:
+        """One request: the model's inputs (rows first) -> its outputs by name. With
+        ``regions`` (names of system shared-memory regions registered with the server,
+        one per input, holding the arrays: see ``shared_inputs``), only their names
+        travel."""
         if len(arrays) != len(self.inputs):
             raise BladesmithError(
                 f"{self.model} takes {len(self.inputs)} inputs, got {len(arrays)}"
             )
         tensors = []
-        for (name, datatype, _), array in zip(self.inputs, arrays):
+        for k, ((name, datatype, _), array) in enumerate(zip(self.inputs, arrays)):
             tensor = self._triton.InferInput(name, list(array.shape), datatype)
-            tensor.set_data_from_numpy(np.ascontiguousarray(array))
+            if regions is None:
+                tensor.set_data_from_numpy(np.ascontiguousarray(array))
+            else:
+                tensor.set_shared_memory(regions[k], array.nbytes)
             tensors.append(tensor)
         requested = [self._triton.InferRequestedOutput(name) for name in self.outputs]
         options = {"client_timeout": self._timeout} if self.grpc else {}
@@ -92,6 +101,37 @@ class Client:
         if self.detections:
             answers = [_detections(answer) for answer in answers]
         return answers
+
+    @contextmanager
+    def shared_inputs(self, requests: list[list[np.ndarray]]):
+        """Each request's arrays written once into system shared memory and registered
+        with the server (which must run on this machine); yields each request's region
+        names for ``infer(..., regions=)``, and unregisters and frees them after."""
+        from tritonclient.utils import shared_memory
+
+        prefix = f"bladesmith-{os.getpid()}-{id(self)}"
+        made, names = [], []
+        try:
+            for i, arrays in enumerate(requests):
+                names.append([])
+                for k, array in enumerate(arrays):
+                    name = f"{prefix}-{i}-{k}"
+                    region = shared_memory.create_shared_memory_region(
+                        name, f"/{name}", array.nbytes
+                    )
+                    made.append((name, region))
+                    shared_memory.set_shared_memory_region(region, [np.ascontiguousarray(array)])
+                    self._call(
+                        self._client.register_system_shared_memory, name, f"/{name}", array.nbytes
+                    )
+                    names[-1].append(name)
+            yield names
+        finally:
+            for name, region in made:
+                try:
+                    self._client.unregister_system_shared_memory(name)
+                finally:
+                    shared_memory.destroy_shared_memory_region(region)
 
     def ready(self) -> bool:
         return bool(self._client.is_model_ready(self.model))

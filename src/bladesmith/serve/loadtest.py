@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,16 +51,24 @@ def loadtest(
     concurrency: tuple[int, ...] = (1, 8, 32),
     requests: int = 200,
     seed: int = 0,
+    shared_memory: bool = False,
 ) -> list[LoadRow]:
-    """Send ``requests`` one-row requests at each concurrency to ``model`` at ``url``."""
+    """Send ``requests`` one-row requests at each concurrency to ``model`` at ``url``.
+    With ``shared_memory`` the rows are written once into system shared memory, and
+    requests carry only their names: what the server sustains, without the client's
+    cost of sending each row (the server must run on this machine)."""
     model = model or _only_model(url)
     with Client(url, model) as probe:
         rows = _distinct_rows(probe, min(requests, DISTINCT_ROWS), seed)
         references = [probe.infer(*row) for row in rows]
-    return [_run(url, model, rows, references, level, requests) for level in concurrency]
+        with probe.shared_inputs(rows) if shared_memory else nullcontext() as regions:
+            return [
+                _run(url, model, rows, references, level, requests, regions)
+                for level in concurrency
+            ]
 
 
-def _run(url, model, rows, references, concurrency: int, requests: int) -> LoadRow:
+def _run(url, model, rows, references, concurrency: int, requests: int, regions) -> LoadRow:
     local = threading.local()
     clients: list[Client] = []
     lock = threading.Lock()
@@ -72,7 +81,7 @@ def _run(url, model, rows, references, concurrency: int, requests: int) -> LoadR
         row = index % len(rows)
         start = time.perf_counter()
         try:
-            answer = local.client.infer(*rows[row])
+            answer = local.client.infer(*rows[row], regions=regions and regions[row])
         except Exception:  # noqa: BLE001 - an error response, a timeout: counted as failed
             return "failed", time.perf_counter() - start
         elapsed = time.perf_counter() - start

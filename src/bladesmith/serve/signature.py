@@ -73,7 +73,7 @@ class Signature:
                 return f"input {spec.name!r}: expected shape [{expected}], got {list(array.shape)}"
             if array.shape[0] == 0:
                 return f"input {spec.name!r} is empty (batch of 0 rows)"
-            if not np.isfinite(array).all():
+            if not _all_finite(array):
                 return f"input {spec.name!r} has non-finite values (NaN or infinity)"
         return None
 
@@ -96,7 +96,8 @@ def signature_of(module) -> Signature:
     else:
         names = tuple(f"input_{i}" for i in range(len(shapes)))
     inputs = tuple(TensorSpec(n, INPUT_DTYPE, tuple(s[1:])) for n, s in zip(names, shapes))
-    flat = _flat_outputs(module_runner(module), [np.zeros(s, INPUT_DTYPE) for s in shapes])
+    zeros = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+    flat = _flat_outputs(module_runner(module), zeros, module.device)
     names = family.output_names if family else [f"output_{i}" for i in range(len(flat))]
     outputs = []
     for name, value in zip(names, flat):
@@ -129,6 +130,13 @@ class BucketRunner:
         self.run = module_runner(module)
         if self.device.type == "cuda":
             self.run = _graphed(self.run, self.device, self.signature)
+        # One bucket of each input, filled in place by each call (pinned on a GPU, so
+        # that the copy to it is one transfer); the lock keeps calls from sharing it.
+        pinned = self.device.type == "cuda"
+        self._staging = [
+            torch.zeros((self.signature.bucket, *spec.dims), pin_memory=pinned)
+            for spec in self.signature.inputs
+        ]
         self._lock = threading.Lock()
 
     def answer(self, requests: list[list[np.ndarray]]) -> list[dict[str, np.ndarray] | str]:
@@ -139,12 +147,8 @@ class BucketRunner:
         if not good:
             return answers
         rows = [requests[i][0].shape[0] for i in good]
-        stacked = [
-            np.concatenate([requests[i][k] for i in good])
-            for k in range(len(self.signature.inputs))
-        ]
         try:
-            outputs = self._run_rows(stacked)
+            outputs = self._run_rows([requests[i] for i in good])
         except Exception as error:  # noqa: BLE001 - the client gets the reason, the server lives
             message = f"the model failed: {type(error).__name__}: {error}".splitlines()[0]
             for i in good:
@@ -159,35 +163,63 @@ class BucketRunner:
             start += count
         return answers
 
-    def _run_rows(self, stacked: list[np.ndarray]) -> list[np.ndarray]:
-        bucket = self.signature.bucket
-        total = stacked[0].shape[0]
+    def _run_rows(self, requests: list[list[np.ndarray]]) -> list[np.ndarray]:
+        """The requests' rows, in order, run a bucket at a time: each bucket's rows are
+        copied into the staging buffers (the rest zeroed) and run."""
         pieces = []
-        for start in range(0, total, bucket):
-            chunk = [array[start : start + bucket] for array in stacked]
-            filled = chunk[0].shape[0]
-            if filled < bucket:
-                chunk = [_pad_rows(array, bucket) for array in chunk]
+        for bucket in _buckets(requests, self.signature.bucket):
             with self._lock:
-                flat = _flat_outputs(self.run, chunk, self.device)
-            pieces.append([value[:filled] for value in flat])
+                filled = self._stage(bucket)
+                flat = _flat_outputs(self.run, self._staging, self.device)
+                # On a CPU an output may be a view of the staging buffers (a reshape of
+                # the input): copied before the next bucket overwrites them.
+                copy = self.device.type != "cuda"
+                pieces.append([value[:filled].copy() if copy else value[:filled] for value in flat])
         outputs = [np.concatenate(column) for column in zip(*pieces)]
         return [
             output.reshape(-1, 1) if spec.scalar else output
             for spec, output in zip(self.signature.outputs, outputs)
         ]
 
+    def _stage(self, bucket: list[list[np.ndarray]]) -> int:
+        """Copy one bucket's row blocks (per block, one array per input) into the staging
+        buffers; returns the rows filled."""
+        filled = 0
+        for block in bucket:
+            count = block[0].shape[0]
+            for staging, array in zip(self._staging, block):
+                staging.numpy()[filled : filled + count] = array
+            filled += count
+        for staging in self._staging:
+            staging.numpy()[filled:] = 0
+        return filled
 
-def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
-    padded = np.zeros((rows, *array.shape[1:]), array.dtype)
-    padded[: array.shape[0]] = array
-    return padded
+
+def _buckets(requests: list[list[np.ndarray]], size: int):
+    """The requests' rows in buckets of at most ``size``: per bucket, blocks of rows
+    (one array per input) cut from the requests in order."""
+    bucket, room = [], size
+    for arrays in requests:
+        start, total = 0, arrays[0].shape[0]
+        while start < total:
+            take = min(room, total - start)
+            bucket.append([array[start : start + take] for array in arrays])
+            start, room = start + take, room - take
+            if room == 0:
+                yield bucket
+                bucket, room = [], size
+    if bucket:
+        yield bucket
 
 
-def _flat_outputs(run, arrays: list[np.ndarray], device=None) -> list[np.ndarray]:
-    tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-    if device is not None and device.type == "cuda":  # a graph's inputs live on its device
-        tensors = [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+def _all_finite(array: np.ndarray) -> bool:
+    # A sum is finite when every value is, unless it overflows: then look at each.
+    return bool(np.isfinite(array.sum())) or bool(np.isfinite(array).all())
+
+
+def _flat_outputs(run, tensors: list[torch.Tensor], device) -> list[np.ndarray]:
+    if device.type == "cuda":  # a graph's inputs live on its device
+        tensors = [t.to(device, non_blocking=True) for t in tensors]
     with torch.no_grad():
         outputs = run(*tensors)
     return [_to_numpy(value) for value in pytree.tree_leaves(outputs)]
