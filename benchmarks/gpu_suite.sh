@@ -77,7 +77,9 @@ for s in $steps; do
             step serve-artifact python3 -m bladesmith optimize --device cuda --batch 32 \
                 --out /tmp/rn32.pt
             step bench-serve python3 benchmarks/bench_serve.py --artifact /tmp/rn32.pt \
-                --instances 2 --json "$out/bench_serve.json" --log "$out/triton.log" ;;
+                --instances 2 --json "$out/bench_serve.json" --log "$out/triton.log"
+            step bench-serve-shm python3 benchmarks/bench_serve.py --artifact /tmp/rn32.pt \
+                --instances 2 --shared-memory --json "$out/bench_serve_shm.json" ;;
         *) echo "unknown step $s"; status=1 ;;
     esac
 done
