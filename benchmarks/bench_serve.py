@@ -108,6 +108,9 @@ def main() -> int:
         "--transport", type=input_size, metavar="HxW", help="a net of negligible compute"
     )
     parser.add_argument("--shared-memory", action="store_true", help="images in shared memory")
+    parser.add_argument(
+        "--image-dtype", choices=("float32", "uint8"), default="float32", help="served images"
+    )
     parser.add_argument("--concurrency", default="1,8,32,128", help="default 1,8,32,128")
     parser.add_argument("--requests", type=int, default=1000, help="per concurrency")
     parser.add_argument("--instances", type=int, default=1, help="model instances")
@@ -140,6 +143,7 @@ def main() -> int:
             metrics_port=metrics,
             instances=args.instances,
             max_queue_delay_us=args.max_queue_delay_us,
+            image_dtype=args.image_dtype,
             block=False,
             log=Path(args.log or Path(folder) / "triton.log"),
         )
@@ -155,7 +159,10 @@ def main() -> int:
             server.stop()
     device = "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     through = "shared memory" if args.shared_memory else "HTTP"
-    print(f"{artifact.name} (batch {batch}), {args.instances} instance(s), {device}, {through}")
+    print(
+        f"{artifact.name} (batch {batch}), {args.instances} instance(s), {device}, "
+        f"{args.image_dtype} images through {through}"
+    )
     print(
         f"{'concurrency':>11} {'images/s':>10} {'vs in-proc':>10} {'p50 ms':>8} "
         f"{'p90 ms':>8} {'p99 ms':>8} {'wrong':>5} {'failed':>6}"
@@ -173,6 +180,7 @@ def main() -> int:
             "instances": args.instances,
             "device": device,
             "shared_memory": args.shared_memory,
+            "image_dtype": args.image_dtype,
             "in_process_images_per_s": round(in_process, 2),
             "served": [vars(row) | {"ratio": row.throughput / in_process} for row in rows],
         }

@@ -79,7 +79,9 @@ for s in $steps; do
             step bench-serve python3 benchmarks/bench_serve.py --artifact /tmp/rn32.pt \
                 --instances 2 --json "$out/bench_serve.json" --log "$out/triton.log"
             step bench-serve-shm python3 benchmarks/bench_serve.py --artifact /tmp/rn32.pt \
-                --instances 2 --shared-memory --json "$out/bench_serve_shm.json" ;;
+                --instances 2 --shared-memory --json "$out/bench_serve_shm.json"
+            step bench-serve-uint8 python3 benchmarks/bench_serve.py --artifact /tmp/rn32.pt \
+                --instances 2 --image-dtype uint8 --json "$out/bench_serve_uint8.json" ;;
         *) echo "unknown step $s"; status=1 ;;
     esac
 done

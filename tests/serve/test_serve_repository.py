@@ -98,6 +98,11 @@ def test_export_errors_are_one_line_for_the_user(net_artifacts, tmp_path, capsys
     code = main(["export", "triton", str(net_artifacts[".pt"]), str(repo), "--name", "gpu",
                  "--device", "cuda"])  # fmt: skip
     assert code == 2 and "was optimized for cpu" in capsys.readouterr().err
+    code = main(["export", "triton", str(net_artifacts[".pt"]), str(repo), "--name", "u8",
+                 "--image-dtype", "uint8"])  # fmt: skip
+    error = capsys.readouterr().err
+    assert code == 2 and "only the python backend converts images" in error
+    assert len(error.strip().splitlines()) == 1 and not (repo / "u8").exists()
 
 
 def test_python_backend_repository_runs_on_the_bundled_tritonserver(net_artifacts, tmp_path):

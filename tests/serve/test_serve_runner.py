@@ -200,3 +200,25 @@ def test_non_finite_inputs_are_found_also_where_a_sum_overflows():
         array = np.zeros((4, 8), np.float32)
         array[3, 7] = bad
         assert not _all_finite(array)
+
+
+def test_a_detector_served_uint8_answers_as_its_images_scaled_to_float32(detector_artifact):
+    path, photos = detector_artifact
+    module = bladesmith.load(path)
+    as_uint8 = BucketRunner(module, image_dtype="uint8")
+    as_float = BucketRunner(module)
+    [image] = as_uint8.signature.inputs
+    assert (image.name, image.triton_dtype) == ("images", "UINT8")
+    quantized = np.rint(photos[0][None].numpy() * 255).astype(np.uint8)
+    [got] = as_uint8.answer([[quantized]])
+    [want] = as_float.answer([[quantized.astype(np.float32) / np.float32(255)]])
+    assert int(want["num_detections"].sum()) > 0
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+    [refused] = as_uint8.answer([[photos[0][None].numpy()]])  # float32 to a uint8 input
+    assert refused == "input 'images': expected UINT8, got float32"
+
+
+def test_only_a_detectors_images_can_be_served_as_uint8(net_artifacts):
+    with pytest.raises(BladesmithError, match="--image-dtype uint8: only a detector's images"):
+        signature_of(bladesmith.load(net_artifacts[".pt"]), "uint8")

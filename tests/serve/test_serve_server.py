@@ -232,6 +232,25 @@ def test_serve_detector_answers_each_image_with_its_own_detections(detector_arti
         server.stop()
 
 
+def test_a_detector_served_as_uint8_answers_a_float_image_and_a_load_test(detector_artifact):
+    from bladesmith.serve.loadtest import loadtest
+    from bladesmith.verify import compare_detections
+
+    path, photos = detector_artifact
+    http, grpc, metrics = free_ports(3)
+    quantized = (photos[0] * 255).round() / 255  # what a uint8 image holds
+    expected = bladesmith.load(path)([quantized])
+    with bladesmith.serve(
+        path, http_port=http, grpc_port=grpc, metrics_port=metrics, image_dtype="uint8", block=False
+    ) as server:
+        with bladesmith.client(server.url, "detector") as detect:
+            assert detect.inputs[0][1] == "UINT8"
+            comparison = compare_detections(expected, detect([photos[0]]))  # float32 given
+            assert comparison.passed and comparison.matched > 0, comparison.summary()
+        [row] = loadtest(server.url, concurrency=(4,), requests=12)
+        assert (row.answered, row.wrong, row.failed) == (12, 0, 0)
+
+
 def test_serve_says_in_one_line_what_is_wrong(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "missing.pt2")]) == 2
     err = capsys.readouterr().err

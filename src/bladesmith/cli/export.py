@@ -149,7 +149,13 @@ def run_triton(args: argparse.Namespace) -> int:
         args.repository,
         name=args.name,
         backend=args.backend,
-        deployment=Deployment(args.max_batch, args.max_queue_delay_us, args.instances, args.device),
+        deployment=Deployment(
+            args.max_batch,
+            args.max_queue_delay_us,
+            args.instances,
+            args.device,
+            image_dtype=args.image_dtype,
+        ),
         libraries=tuple(args.load_library),
     )
     print(f"wrote {model_dir} (config.pbtxt, version 1); launch: {args.repository}/README.md")

@@ -86,6 +86,13 @@ def add_deployment_options(parser: argparse.ArgumentParser) -> None:
         "--instances", type=at_least(1), default=1, help="model instances per device (default 1)"
     )
     parser.add_argument("--device", help="cpu, cuda or cuda:0,1 (default: the artifact's)")
+    parser.add_argument(
+        "--image-dtype",
+        choices=("float32", "uint8"),
+        default="float32",
+        help="a detector's images as float32 in [0, 1] or uint8 in [0, 255] (a quarter of "
+        "the bytes; scaled on the device) (default float32)",
+    )
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -112,6 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_queue_delay_us=args.max_queue_delay_us,
         instances=args.instances,
         device=args.device,
+        image_dtype=args.image_dtype,
     )
     return 0
 

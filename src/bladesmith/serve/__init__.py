@@ -37,6 +37,7 @@ def serve(
     max_queue_delay_us: int = 500,
     instances: int = 1,
     device: str | None = None,
+    image_dtype: str = "float32",
     block: bool = True,
     log: str | os.PathLike | None = None,
 ) -> Server | None:
@@ -47,12 +48,16 @@ def serve(
     batch), waiting at most ``max_queue_delay_us`` for more, and run in buckets of the
     artifact's batch (the last padded). ``instances`` model instances run side by side,
     each in its own process; ``device`` is ``cpu``, ``cuda`` or ``cuda:0,1`` (default: the
-    artifact's). ``block``: serve until SIGINT/SIGTERM, then stop (requests in flight are
-    answered); else return the started ``Server`` (a context manager; ``stop()`` it).
+    artifact's). ``image_dtype="uint8"`` serves a detector's images as uint8 (a quarter of
+    the bytes; made float32 in [0, 1] on the device). ``block``: serve until SIGINT or
+    SIGTERM, then stop (requests in flight are answered); else return the started
+    ``Server`` (a context manager; ``stop()`` it).
     """
     # CPU instances split the cores between them (a GPU artifact's threads barely work).
     threads = max(1, (os.cpu_count() or 1) // instances) if instances > 1 else 0
-    deployment = Deployment(max_batch, max_queue_delay_us, instances, device, threads)
+    deployment = Deployment(
+        max_batch, max_queue_delay_us, instances, device, threads, image_dtype=image_dtype
+    )
     workdir = tempfile.TemporaryDirectory(prefix="bladesmith-serve-")
     repository = Path(workdir.name) / "models"
     write_repository(

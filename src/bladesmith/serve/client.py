@@ -89,7 +89,7 @@ class Client:
         else the model's outputs by name."""
         import torch
 
-        rows = np.stack([_as_numpy(image) for image in images]).astype(INPUT_DTYPE)
+        rows = _as_served(np.stack([_as_numpy(image) for image in images]), self.inputs[0][1])
         step = self.max_batch or rows.shape[0]
         answers = []
         for start in range(0, rows.shape[0], step):
@@ -155,6 +155,18 @@ def client(url: str, model: str, *, timeout: float = 120.0) -> Client:
 def _detections(row: dict) -> dict:
     count = int(row["num_detections"].reshape(-1)[0])
     return {name: row[name][:count] for name in ("boxes", "scores", "labels")}
+
+
+def _as_served(rows: np.ndarray, datatype: str) -> np.ndarray:
+    """Images as the server takes them: float32 in [0, 1], or uint8 in [0, 255] (a
+    server started with ``--image-dtype uint8``); either kind is converted."""
+    if datatype == "UINT8":
+        if rows.dtype == np.uint8:
+            return rows
+        return np.clip(np.rint(rows * 255.0), 0, 255).astype(np.uint8)
+    if rows.dtype == np.uint8:
+        return rows.astype(INPUT_DTYPE) / np.float32(255)
+    return rows.astype(INPUT_DTYPE)
 
 
 def _as_numpy(image) -> np.ndarray:

@@ -115,16 +115,20 @@ def _run(url, model, rows, references, concurrency: int, requests: int, regions)
 
 
 def _distinct_rows(client: Client, count: int, seed: int) -> list[list[np.ndarray]]:
-    """``count`` requests of one random row each, in [0, 1) like images."""
+    """``count`` requests of one random row each, like images: float32 in [0, 1), or
+    uint8."""
     generator = np.random.default_rng(seed)
     requests = []
     for _ in range(count):
         arrays = []
         for _, datatype, shape in client.inputs:
-            if datatype != "FP32":
-                raise BladesmithError(f"loadtest: input type {datatype} is not supported")
             row = [1, *shape[1:]] if client.max_batch else shape
-            arrays.append(generator.random(row, dtype=np.float32))
+            if datatype == "FP32":
+                arrays.append(generator.random(row, dtype=np.float32))
+            elif datatype == "UINT8":
+                arrays.append(generator.integers(0, 256, row, dtype=np.uint8))
+            else:
+                raise BladesmithError(f"loadtest: input type {datatype} is not supported")
         requests.append(arrays)
     return requests
 
@@ -152,7 +156,7 @@ def _detections(answer: dict) -> list[dict]:
     counts = answer["num_detections"].reshape(-1)
     return [
         {
-            name: torch.from_numpy(np.ascontiguousarray(answer[name][row, :count]))
+            name: torch.from_numpy(np.array(answer[name][row, :count]))  # a writable copy
             for name in ("boxes", "scores", "labels")
         }
         for row, count in enumerate(counts.tolist())

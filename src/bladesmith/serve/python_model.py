@@ -34,7 +34,10 @@ class TritonPythonModel:
             torch.set_num_threads(threads)
         if args["model_instance_kind"] == "GPU":
             torch.cuda.set_device(int(args["model_instance_device_id"]))
-        self.runner = BucketRunner(bladesmith.load(here / parameters["artifact"]))
+        self.runner = BucketRunner(
+            bladesmith.load(here / parameters["artifact"]),
+            image_dtype=parameters.get("image_dtype", "float32"),
+        )
         self.input_names = [spec.name for spec in self.runner.signature.inputs]
 
     def execute(self, requests):

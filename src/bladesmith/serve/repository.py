@@ -42,6 +42,7 @@ class Deployment:
     instances: int = 1
     device: str | None = None  # cpu, cuda, cuda:0,1; None: the artifact's
     torch_threads: int = 0  # per instance (Python backend); 0: torch's default
+    image_dtype: str = "float32"  # a detector's images: float32, or uint8 (x / 255 on the device)
 
 
 def default_backend(artifact: Path) -> str:
@@ -78,6 +79,11 @@ def write_repository(
         )
     version_dir.mkdir(parents=True)
     try:
+        if backend != "python" and deployment.image_dtype != "float32":
+            raise BladesmithError(
+                f"--image-dtype {deployment.image_dtype}: only the python backend converts "
+                f"images; the {backend} backend runs the artifact as it is"
+            )
         if backend == "python":
             config, readme = _python_model(artifact, version_dir, deployment, libraries, link)
         elif backend == "pytorch_libtorch":
@@ -105,7 +111,7 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
         torch.ops.load_library(str(library))
     loaded = bladesmith.load(artifact)
     gpus = _gpus(artifact, loaded.device, deployment.device)
-    signature = signature_of(loaded)
+    signature = signature_of(loaded, deployment.image_dtype)
     del loaded
     if gpus is not None:
         torch.cuda.empty_cache()  # the instances load their own copies; this one is done
@@ -122,6 +128,7 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
         "artifact": artifact.name,
         "libraries": json.dumps([library.name for library in libraries]),
         "torch_threads": str(deployment.torch_threads),
+        "image_dtype": deployment.image_dtype,
     }
     if link:
         parameters["bladesmith_source"] = str(Path(bladesmith.__file__).parent.parent)

@@ -25,6 +25,9 @@ FAMILY_INPUT = "images"  # a family's pipeline takes one batch of images
 # The served inputs are float32 images/features: bladesmith's spec records input shapes
 # (the fast path's), and every artifact it writes takes float32 there.
 INPUT_DTYPE = np.dtype(np.float32)
+# A detector's images may be served as uint8 (a quarter of the bytes to send, copy and
+# transfer), made float32 in [0, 1] (x / 255) on the model's device.
+IMAGE_DTYPES = {"float32": INPUT_DTYPE, "uint8": np.dtype(np.uint8)}
 TRITON_DTYPES = {
     np.dtype(np.float32): "FP32",
     np.dtype(np.float16): "FP16",
@@ -73,14 +76,15 @@ class Signature:
                 return f"input {spec.name!r}: expected shape [{expected}], got {list(array.shape)}"
             if array.shape[0] == 0:
                 return f"input {spec.name!r} is empty (batch of 0 rows)"
-            if not _all_finite(array):
+            if np.issubdtype(array.dtype, np.floating) and not _all_finite(array):
                 return f"input {spec.name!r} has non-finite values (NaN or infinity)"
         return None
 
 
-def signature_of(module) -> Signature:
+def signature_of(module, image_dtype: str = "float32") -> Signature:
     """The served signature of a loaded artifact (``bladesmith.load``), found by running
-    it once on zeros of the shapes it was built for."""
+    it once on zeros of the shapes it was built for; a detector's images served as
+    ``image_dtype`` (float32, or uint8 scaled by 1/255 on the device)."""
     spec = module.spec
     shapes = spec.input_shapes
     if not shapes or any(len(shape) == 0 for shape in shapes):
@@ -91,11 +95,19 @@ def signature_of(module) -> Signature:
             f"serve: the artifact's inputs disagree on the batch dimension: {list(shapes)}"
         )
     family = module.family
+    if image_dtype not in IMAGE_DTYPES:
+        raise BladesmithError(f"--image-dtype: expected float32 or uint8, got {image_dtype!r}")
     if family is not None:
         names = (FAMILY_INPUT,)
+    elif image_dtype != "float32":
+        raise BladesmithError(
+            f"--image-dtype {image_dtype}: only a detector's images can be served so; "
+            "this artifact takes features (leave --image-dtype out)"
+        )
     else:
         names = tuple(f"input_{i}" for i in range(len(shapes)))
-    inputs = tuple(TensorSpec(n, INPUT_DTYPE, tuple(s[1:])) for n, s in zip(names, shapes))
+    dtype = IMAGE_DTYPES[image_dtype]
+    inputs = tuple(TensorSpec(n, dtype, tuple(s[1:])) for n, s in zip(names, shapes))
     zeros = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
     flat = _flat_outputs(module_runner(module), zeros, module.device)
     names = family.output_names if family else [f"output_{i}" for i in range(len(flat))]
@@ -124,8 +136,8 @@ class BucketRunner:
     model instance. On a GPU the bucket's call is replayed from a CUDA graph whose static
     buffers belong to this runner alone; calls are serialised (a lock) around them."""
 
-    def __init__(self, module, signature: Signature | None = None):
-        self.signature = signature or signature_of(module)
+    def __init__(self, module, signature: Signature | None = None, image_dtype: str = "float32"):
+        self.signature = signature or signature_of(module, image_dtype)
         self.device = module.device
         self.run = module_runner(module)
         if self.device.type == "cuda":
@@ -134,9 +146,11 @@ class BucketRunner:
         # that the copy to it is one transfer); the lock keeps calls from sharing it.
         pinned = self.device.type == "cuda"
         self._staging = [
-            torch.zeros((self.signature.bucket, *spec.dims), pin_memory=pinned)
+            torch.from_numpy(np.zeros((self.signature.bucket, *spec.dims), spec.dtype))
             for spec in self.signature.inputs
         ]
+        if pinned:
+            self._staging = [staging.pin_memory() for staging in self._staging]
         self._lock = threading.Lock()
 
     def answer(self, requests: list[list[np.ndarray]]) -> list[dict[str, np.ndarray] | str]:
@@ -220,6 +234,7 @@ def _all_finite(array: np.ndarray) -> bool:
 def _flat_outputs(run, tensors: list[torch.Tensor], device) -> list[np.ndarray]:
     if device.type == "cuda":  # a graph's inputs live on its device
         tensors = [t.to(device, non_blocking=True) for t in tensors]
+    tensors = [t.float().div_(255) if t.dtype == torch.uint8 else t for t in tensors]
     with torch.no_grad():
         outputs = run(*tensors)
     return [_to_numpy(value) for value in pytree.tree_leaves(outputs)]
