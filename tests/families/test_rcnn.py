@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from family_testing import (
@@ -20,6 +22,7 @@ from bladesmith.families.rcnn import (
     paste_masks,
 )
 from bladesmith.models.images import sample_images
+from engine_testing import cuda
 
 SIZE = (160, 224)
 # Fewer proposals than torchvision's 1,000 keep the CPU tests short; every step is the
@@ -171,3 +174,19 @@ def test_errors_name_the_argument(faster, mask):
     with pytest.raises(ValueError, match="variant must be one of"):
         build_rcnn("keypointrcnn_resnet50_fpn")
     assert as_list(faster[1](sample_images(1, SIZE)))[0]["boxes"].shape[1] == 4
+
+
+@cuda
+@pytest.mark.parametrize("which", ["faster", "mask"])
+def test_the_whole_two_stage_pipeline_is_one_cuda_graph(which, request):
+    from bladesmith.runtimes.cuda_graph import CudaGraphRunner
+
+    _, pipeline = request.getfixturevalue(which)
+    pipeline = copy.deepcopy(pipeline).cuda().eval()
+    images = sample_images(2, SIZE, device="cuda")
+    with torch.no_grad():
+        expected = pipeline(images)
+    captured = CudaGraphRunner(pipeline, torch.device("cuda"))
+    for got, want in zip(captured(images), expected):
+        torch.testing.assert_close(got, want)
+    assert len(captured.graphs) == 1
