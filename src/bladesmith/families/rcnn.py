@@ -29,7 +29,7 @@ from torch import nn
 from bladesmith.families import calibration
 from bladesmith.families import detection_steps as steps
 from bladesmith.families.base import DetectionFamily
-from bladesmith.ops import load_library
+from bladesmith.ops import load_library, roi_align
 
 DETECTION_OUTPUTS = ("boxes", "scores", "labels", "num_detections")
 MASK_OUTPUTS = (*DETECTION_OUTPUTS, "masks")
@@ -154,8 +154,6 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
         graph) and each box keeps its own level's result; on a CPU, where nothing is
         captured, each level pools only its own boxes, as torchvision does (a quarter of
         the work on four levels)."""
-        from torchvision.ops import roi_align
-
         names, scales, mapper = self.pool_levels[pooler]
         levels = [features[name] for name in names]
         pooler = getattr(self, pooler)

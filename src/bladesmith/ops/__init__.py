@@ -28,10 +28,12 @@ if TYPE_CHECKING:
 __all__ = [
     "BBOX_CLIP",
     "batched_nms",
+    "exporting",
     "library_path",
     "load_library",
     "retinanet_decode",
     "retinanet_postprocess",
+    "roi_align",
 ]
 
 # torchvision's BoxCoder default: no box grows more than 1000/16 times its anchor.
@@ -91,6 +93,43 @@ def retinanet_decode(
         topk_candidates,
         list(weights),
         bbox_clip,
+    )
+
+
+def exporting() -> bool:
+    """Whether torch is compiling or exporting to ONNX: where bladesmith's CPU-only
+    kernels (winograd_conv3x3, roi_align_nhwc) give way to torch's and torchvision's
+    operators, which every compiler and exporter knows."""
+    import torch
+
+    return torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export()
+
+
+def roi_align(
+    features: torch.Tensor,
+    rois: torch.Tensor,
+    output_size: tuple[int, int],
+    spatial_scale: float,
+    sampling_ratio: int,
+    aligned: bool = False,
+) -> torch.Tensor:
+    """``torchvision.ops.roi_align`` on ``rois`` [K, 5] (image index, box): [K, C, h, w].
+
+    On a CPU, in float32 and outside compilation and ONNX export, ``roi_align_nhwc``: the
+    same floats from the feature map in channels_last, vectorised over the channels and
+    threaded over the boxes (torchvision's CPU kernel runs one channel and one box at a
+    time). Elsewhere torchvision's operator."""
+    import torch
+    from torchvision.ops import roi_align as torchvision_roi_align
+
+    if features.device.type == "cpu" and features.dtype == torch.float32 and not exporting():
+        nhwc = features.contiguous(memory_format=torch.channels_last)
+        height, width = output_size
+        return _ops().roi_align_nhwc(
+            nhwc, rois, spatial_scale, height, width, sampling_ratio, aligned
+        )
+    return torchvision_roi_align(
+        features, rois, output_size, spatial_scale, sampling_ratio, aligned
     )
 
 

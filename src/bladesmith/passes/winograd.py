@@ -35,6 +35,7 @@ from bladesmith.models.convs import (
     norm_and_relu_after,
     runs_in_order,
 )
+from bladesmith.ops import exporting
 from bladesmith.ops.build import unavailable
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, PassSkipped
@@ -59,7 +60,7 @@ class WinogradConv2d(nn.Module):
         self.sizes = frozenset(sizes)
 
     def forward(self, x):
-        if not _exporting() and x.dtype == torch.float32:
+        if not exporting() and x.dtype == torch.float32:
             # TorchScript's tracer makes shapes tensors: int() reads the value it records.
             if (int(x.shape[-2]), int(x.shape[-1])) in self.sizes:
                 return torch.ops.bladesmith.winograd_conv3x3(x, self.weight, self.bias, self.relu)
@@ -70,10 +71,6 @@ class WinogradConv2d(nn.Module):
         sizes = ", ".join(f"{h}x{w}" for h, w in sorted(self.sizes))
         channels = f"{self.weight.shape[1]}, {self.weight.shape[0]}"
         return f"{channels}, relu={self.relu}, winograd at {sizes}"
-
-
-def _exporting() -> bool:
-    return torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export()
 
 
 def eligible(module: nn.Module) -> bool:

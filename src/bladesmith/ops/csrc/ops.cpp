@@ -63,6 +63,12 @@ TORCH_LIBRARY(bladesmith, m) {
   // A 3x3 stride-1 padding-1 float32 convolution (+ ReLU) as Winograd F(4x4, 3x3), CPU
   // only (cpu/winograd_kernel.cpp).
   m.def("winograd_conv3x3(Tensor x, Tensor weight, Tensor bias, bool relu) -> Tensor");
+  // torchvision's roi_align (forward) on a channels_last feature map, vectorised over the
+  // channels and threaded over the boxes; output [K, C, h, w] as torchvision's. CPU only
+  // (cpu/roi_align_kernel.cpp).
+  m.def(
+      "roi_align_nhwc(Tensor input, Tensor rois, float spatial_scale, int pooled_height, "
+      "int pooled_width, int sampling_ratio, bool aligned) -> Tensor");
 }
 
 // CompositeExplicitAutograd rather than CompositeImplicitAutograd: it serves every backend
