@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 
 import pytest
@@ -493,3 +494,22 @@ def test_the_noise_runs_are_made_only_when_a_comparison_fails():
     )
     assert spec.passes == ("faster",)
     assert not any("rounding noise" in note for note in report.diagnosis["notes"])
+
+
+def test_the_final_never_slower_check_times_again_while_the_noise_holds_parity(monkeypatch):
+    from bladesmith import bench
+
+    asked = []
+    compare = bench.compare
+
+    def recording(*args, undecided=None, **kwargs):
+        asked.append(undecided)
+        return compare(*args, undecided=undecided, **kwargs)
+
+    monkeypatch.setattr(bench, "compare", recording)
+    run([Faster()])
+    final = asked[-1]  # the result against the model as given
+    speedup = bench.same(bench.measure(lambda: None, (), warmup=0, iters=1))
+    assert final(dataclasses.replace(speedup, ratio=0.97, low=0.90, high=1.06))
+    assert not final(dataclasses.replace(speedup, ratio=0.90, low=0.85, high=0.95))
+    assert not final(dataclasses.replace(speedup, ratio=1.02, low=0.95, high=1.10))

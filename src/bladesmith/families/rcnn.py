@@ -186,21 +186,9 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
         if self.keeps_shapes(proposals):
             pooled = self.pool("box_roi_pool", features, proposals)
             return self.box_predictor(self.box_head(pooled))
-        count = proposals.shape[1]
         valid = proposal_valid.reshape(-1)
-        slots = torch.nonzero(valid).squeeze(1)
-        image = torch.div(slots, count, rounding_mode="floor").to(proposals.dtype)
-        rois = torch.cat([image[:, None], proposals.reshape(-1, 4)[slots]], dim=1)
-        pooled = self.pool_rois("box_roi_pool", features, rois)
-        outputs = self.box_predictor(self.box_head(pooled))
-        # Back to one row per slot: a valid slot reads its own row, a padded one a row of
-        # zeros appended at the end (shapes from tensors, so a traced batch stays free).
-        counted = valid.long()  # ONNX's CumSum and ReduceSum take no bool
-        rows = torch.where(valid, counted.cumsum(0) - 1, counted.sum())
-        return tuple(
-            torch.cat([out, out.new_zeros(1, out.shape[1])]).index_select(0, rows)
-            for out in outputs
-        )
+        pooled = self.pool_rois("box_roi_pool", features, _valid_rois(proposals, valid))
+        return _per_slot(self.box_predictor(self.box_head(pooled)), valid)
 
     def detect(self, features, proposals, proposal_valid):
         """The box head on every proposal slot, per-class decode and NMS: padded
@@ -251,8 +239,13 @@ class MaskRCNNPipeline(FasterRCNNPipeline):
     def forward(self, images: torch.Tensor):
         features = self.features(images)
         boxes, scores, labels, num = self.detect(features, *self.proposals(features))
-        pooled = self.pool("mask_roi_pool", features, boxes)
-        logits = self.mask_predictor(self.mask_head(pooled)).float()
+        if self.keeps_shapes(boxes):
+            pooled = self.pool("mask_roi_pool", features, boxes)
+            logits = self.mask_predictor(self.mask_head(pooled)).float()
+        else:  # on a CPU only the detections run the mask head, as in torchvision
+            valid = (labels >= 0).reshape(-1)
+            pooled = self.pool_rois("mask_roi_pool", features, _valid_rois(boxes, valid))
+            (logits,) = _per_slot((self.mask_predictor(self.mask_head(pooled)).float(),), valid)
         # Each detection's mask is its own class's (padding reads class 0, then zeroed).
         flat_labels = labels.reshape(-1, 1, 1, 1).clamp(min=0)
         masks = logits.gather(1, flat_labels.expand(-1, 1, *logits.shape[-2:])).sigmoid()
@@ -261,6 +254,25 @@ class MaskRCNNPipeline(FasterRCNNPipeline):
         pasted = pasted.view(*labels.shape, 1, *self.transform.image_size)
         pasted = pasted * (labels >= 0)[..., None, None, None]
         return boxes, scores, labels, num, pasted
+
+
+def _valid_rois(boxes: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The rois [n, 5] (image index, box) of the slots of ``boxes`` [B, K, 4] that
+    ``valid`` [B * K] marks."""
+    slots = torch.nonzero(valid).squeeze(1)
+    image = torch.div(slots, boxes.shape[1], rounding_mode="floor").to(boxes.dtype)
+    return torch.cat([image[:, None], boxes.reshape(-1, 4)[slots]], dim=1)
+
+
+def _per_slot(outputs: tuple[torch.Tensor, ...], valid: torch.Tensor) -> tuple:
+    """Rows computed for the valid slots only, back to one row per slot: a valid slot
+    reads its own row, a padded one a row of zeros appended at the end (shapes from
+    tensors, so a traced batch stays free)."""
+    counted = valid.long()  # ONNX's CumSum and ReduceSum take no bool
+    rows = torch.where(valid, counted.cumsum(0) - 1, counted.sum())
+    return tuple(
+        torch.cat([out, out.new_zeros(1, *out.shape[1:])]).index_select(0, rows) for out in outputs
+    )
 
 
 def paste_masks(masks: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]):
