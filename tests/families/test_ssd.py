@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from family_testing import (
@@ -16,6 +18,7 @@ from torchvision.models.detection.ssd import SSD
 from bladesmith.families.ssd import SSDPipeline, build_ssd
 from bladesmith.models.images import sample_images
 from bladesmith.verify import compare_detections
+from engine_testing import cuda
 
 SIZE = (160, 224)
 OUTPUTS = ("boxes", "scores", "labels", "num_detections")
@@ -134,3 +137,16 @@ def test_errors_name_the_argument(model):
         SSDPipeline(torch.nn.Linear(2, 2), SIZE)
     with pytest.raises(ValueError, match="variant must be one of"):
         build_ssd("ssd512")
+
+
+@cuda
+def test_the_whole_pipeline_is_one_cuda_graph(pipeline):
+    from bladesmith.runtimes.cuda_graph import CudaGraphRunner
+
+    on_gpu = copy.deepcopy(pipeline).cuda().eval()
+    images = sample_images(2, SIZE, device="cuda")
+    with torch.no_grad():
+        expected = on_gpu(images)
+    captured = CudaGraphRunner(on_gpu, torch.device("cuda"))
+    for got, want in zip(captured(images), expected):
+        torch.testing.assert_close(got, want)

@@ -199,7 +199,37 @@ def decode_boxes(box_coder, deltas: torch.Tensor, anchors: torch.Tensor) -> torc
     """torchvision ``BoxCoder.decode_single`` on [..., 4] deltas and anchors (any batch
     shape): the same arithmetic, so the same boxes to the bit."""
     shape = deltas.shape
-    return box_coder.decode_single(deltas.reshape(-1, 4), anchors.reshape(-1, 4)).view(shape)
+    return decode_single(box_coder, deltas.reshape(-1, 4), anchors.reshape(-1, 4)).view(shape)
+
+
+def decode_single(box_coder, rel_codes: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    """torchvision's ``BoxCoder.decode_single(rel_codes [N, 4K], boxes [N, 4])``, step for
+    step, but with its corner offset's 0.5 as a number: torchvision makes it a tensor on
+    the boxes' device, which on a GPU is a copy from the host that synchronises, so no
+    CUDA graph could hold the decode (0.5 times a float is exact either way)."""
+    boxes = boxes.to(rel_codes.dtype)
+    widths = boxes[:, 2] - boxes[:, 0]
+    heights = boxes[:, 3] - boxes[:, 1]
+    ctr_x = boxes[:, 0] + 0.5 * widths
+    ctr_y = boxes[:, 1] + 0.5 * heights
+    wx, wy, ww, wh = box_coder.weights
+    dx = rel_codes[:, 0::4] / wx
+    dy = rel_codes[:, 1::4] / wy
+    dw = torch.clamp(rel_codes[:, 2::4] / ww, max=box_coder.bbox_xform_clip)
+    dh = torch.clamp(rel_codes[:, 3::4] / wh, max=box_coder.bbox_xform_clip)
+    pred_ctr_x = dx * widths[:, None] + ctr_x[:, None]
+    pred_ctr_y = dy * heights[:, None] + ctr_y[:, None]
+    pred_w = torch.exp(dw) * widths[:, None]
+    pred_h = torch.exp(dh) * heights[:, None]
+    c_to_c_h = 0.5 * pred_h
+    c_to_c_w = 0.5 * pred_w
+    corners = (
+        pred_ctr_x - c_to_c_w,
+        pred_ctr_y - c_to_c_h,
+        pred_ctr_x + c_to_c_w,
+        pred_ctr_y + c_to_c_h,
+    )
+    return torch.stack(corners, dim=2).flatten(1)
 
 
 def clip_boxes(boxes: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

@@ -196,7 +196,9 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
         batch, count = proposals.shape[:2]
         class_logits, box_regression = self.classify(features, proposals, proposal_valid)
         num_classes = class_logits.shape[-1]
-        boxes = self.box_coder.decode_single(box_regression.float(), proposals.reshape(-1, 4))
+        boxes = steps.decode_single(
+            self.box_coder, box_regression.float(), proposals.reshape(-1, 4)
+        )
         boxes = steps.clip_boxes(boxes.view(batch, count, -1, 4), self.transform.resized_size)
         scores = F.softmax(class_logits.float(), -1).view(batch, count, -1)
         # Background (class 0) dropped; each (proposal, class) one candidate.
