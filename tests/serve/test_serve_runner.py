@@ -222,3 +222,16 @@ def test_a_detector_served_uint8_answers_as_its_images_scaled_to_float32(detecto
 def test_only_a_detectors_images_can_be_served_as_uint8(net_artifacts):
     with pytest.raises(BladesmithError, match="--image-dtype uint8: only a detector's images"):
         signature_of(bladesmith.load(net_artifacts[".pt"]), "uint8")
+
+
+def test_the_client_sends_images_as_the_server_takes_them():
+    from bladesmith.serve.client import _as_served
+
+    floats = np.array([[0.0, 0.5, 1.0, 1.2, -0.1]], np.float32)
+    as_uint8 = _as_served(floats, "UINT8")
+    assert as_uint8.dtype == np.uint8 and as_uint8.tolist() == [[0, 128, 255, 255, 0]]
+    assert _as_served(as_uint8, "UINT8") is as_uint8
+    back = _as_served(as_uint8, "FP32")
+    assert back.dtype == np.float32
+    np.testing.assert_array_equal(back, np.float32([[0, 128, 255, 255, 0]]) / np.float32(255))
+    assert _as_served(floats.astype(np.float64), "FP32").dtype == np.float32
