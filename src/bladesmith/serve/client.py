@@ -99,7 +99,7 @@ class Client:
                     {name: torch.from_numpy(value[i].copy()) for name, value in outputs.items()}
                 )
         if self.detections:
-            answers = [_detections(answer) for answer in answers]
+            answers = [cut_padding(answer) for answer in answers]
         return answers
 
     @contextmanager
@@ -152,7 +152,9 @@ def client(url: str, model: str, *, timeout: float = 120.0) -> Client:
     return Client(url, model, timeout=timeout)
 
 
-def _detections(row: dict) -> dict:
+def cut_padding(row: dict) -> dict:
+    """One image's padded detections (boxes, scores, labels, num_detections) cut to its
+    count: torchvision's dict."""
     count = int(row["num_detections"].reshape(-1)[0])
     return {name: row[name][:count] for name in ("boxes", "scores", "labels")}
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from bladesmith.errors import BladesmithError
 from bladesmith.families.base import DetectionFamily
-from bladesmith.serve.client import Client
+from bladesmith.serve.client import Client, cut_padding
 from bladesmith.verify import compare_detections
 
 DISTINCT_ROWS = 64  # rows cycled through; enough that a swapped answer shows
@@ -151,15 +151,17 @@ def _close(got: np.ndarray, expected: np.ndarray) -> bool:
 
 
 def _detections(answer: dict) -> list[dict]:
+    """A served answer's padded detections, one dict of tensors per row, cut as
+    ``bladesmith.client`` cuts them (``cut_padding``)."""
     import torch
 
-    counts = answer["num_detections"].reshape(-1)
+    rows = len(answer["num_detections"])
+    per_row = [
+        cut_padding({name: value[row] for name, value in answer.items()}) for row in range(rows)
+    ]
+    # np.array: a writable copy (tritonclient's arrays are read-only).
     return [
-        {
-            name: torch.from_numpy(np.array(answer[name][row, :count]))  # a writable copy
-            for name in ("boxes", "scores", "labels")
-        }
-        for row, count in enumerate(counts.tolist())
+        {name: torch.from_numpy(np.array(value)) for name, value in row.items()} for row in per_row
     ]
 
 

@@ -181,14 +181,16 @@ class BucketRunner:
         """The requests' rows, in order, run a bucket at a time: each bucket's rows are
         copied into the staging buffers (the rest zeroed) and run."""
         pieces = []
+        staged = [staging.numpy() for staging in self._staging]
         for bucket in _buckets(requests, self.signature.bucket):
             with self._lock:
                 filled = self._stage(bucket)
-                flat = _flat_outputs(self.run, self._staging, self.device)
-                # On a CPU an output may be a view of the staging buffers (a reshape of
-                # the input): copied before the next bucket overwrites them.
-                copy = self.device.type != "cuda"
-                pieces.append([value[:filled].copy() if copy else value[:filled] for value in flat])
+                flat = [
+                    value[:filled] for value in _flat_outputs(self.run, self._staging, self.device)
+                ]
+                # An output may view the staging buffers (a reshape of the input, on a
+                # CPU): copied before the next bucket overwrites them.
+                pieces.append([_own(value, staged) for value in flat])
         outputs = [np.concatenate(column) for column in zip(*pieces)]
         return [
             output.reshape(-1, 1) if spec.scalar else output
@@ -224,6 +226,11 @@ def _buckets(requests: list[list[np.ndarray]], size: int):
                 bucket, room = [], size
     if bucket:
         yield bucket
+
+
+def _own(value: np.ndarray, buffers: list[np.ndarray]) -> np.ndarray:
+    """``value``, copied if it shares memory with one of ``buffers``."""
+    return value.copy() if any(np.may_share_memory(value, b) for b in buffers) else value
 
 
 def _all_finite(array: np.ndarray) -> bool:
