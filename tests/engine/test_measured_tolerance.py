@@ -21,16 +21,21 @@ from bladesmith.verify import compare_outputs, default_tolerance
 QUICK = bladesmith.Config(warmup=0, iters=2, min_speedup=0.01, progress=False)
 
 
+def one_conv_scaled(module, factor: float):
+    """A copy of ResNet-50 ``module`` with one convolution's weights ``factor`` times."""
+    module = copy.deepcopy(module)
+    with torch.no_grad():
+        module.layer3[2].conv2.weight.mul_(factor)
+    return module
+
+
 class OneConvOnePercentOff(Pass):
     """A wrong pass: one convolution's weights 1% larger (a bug a fold could have)."""
 
     name = "one_conv_one_percent_off"
 
     def apply(self, candidate: Candidate, context) -> Candidate:
-        module = copy.deepcopy(candidate.module)
-        with torch.no_grad():
-            module.layer3[2].conv2.weight.mul_(1.01)
-        return candidate.with_module(module, self.name)
+        return candidate.with_module(one_conv_scaled(candidate.module, 1.01), self.name)
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +92,8 @@ class BFloat16OneConvHalfOff(CpuBFloat16):
     name = "bf16_one_conv_half_off"
 
     def apply(self, candidate: Candidate, context) -> Candidate:
-        module = copy.deepcopy(candidate.module)
-        with torch.no_grad():
-            module.layer3[2].conv2.weight.mul_(1.5)
-        return super().apply(candidate.with_module(module, "broken"), context)
+        broken = candidate.with_module(one_conv_scaled(candidate.module, 1.5), "broken")
+        return super().apply(broken, context)
 
 
 def test_half_precision_is_judged_at_a_tolerance_measured_in_its_own_rounding(resnet):

@@ -87,6 +87,23 @@ def assert_realistic(reference: list[dict], at_least: int) -> None:
     assert min(counts) >= at_least, f"too few detections to compare: {counts}"
 
 
+def assert_captured_whole(pipeline, images) -> None:
+    """A copy of ``pipeline`` on the GPU, captured in one CUDA graph, gives its
+    uncaptured outputs."""
+    import copy
+
+    from bladesmith.runtimes.cuda_graph import CudaGraphRunner
+
+    on_gpu = copy.deepcopy(pipeline).cuda().eval()
+    images = images.cuda()
+    with torch.no_grad():
+        expected = on_gpu(images)
+    captured = CudaGraphRunner(on_gpu, torch.device("cuda"))
+    for got, want in zip(captured(images), expected):
+        torch.testing.assert_close(got, want)
+    assert len(captured.graphs) == 1
+
+
 def assert_torchscript_loads_in_a_new_process(pipeline, images, tmp_path, imports=()) -> None:
     """Traced, saved, and loaded with only the operator library (and ``imports``, the
     modules whose operators it calls) in a fresh interpreter, it gives the same outputs."""

@@ -1,9 +1,8 @@
-import copy
-
 import pytest
 import torch
 from family_testing import (
     as_list,
+    assert_captured_whole,
     assert_exports,
     assert_onnx_runs_as_pytorch,
     assert_padded_equal_reference,
@@ -179,14 +178,5 @@ def test_errors_name_the_argument(faster, mask):
 @cuda
 @pytest.mark.parametrize("which", ["faster", "mask"])
 def test_the_whole_two_stage_pipeline_is_one_cuda_graph(which, request):
-    from bladesmith.runtimes.cuda_graph import CudaGraphRunner
-
     _, pipeline = request.getfixturevalue(which)
-    pipeline = copy.deepcopy(pipeline).cuda().eval()
-    images = sample_images(2, SIZE, device="cuda")
-    with torch.no_grad():
-        expected = pipeline(images)
-    captured = CudaGraphRunner(pipeline, torch.device("cuda"))
-    for got, want in zip(captured(images), expected):
-        torch.testing.assert_close(got, want)
-    assert len(captured.graphs) == 1
+    assert_captured_whole(pipeline, sample_images(2, SIZE))

@@ -1,9 +1,8 @@
-import copy
-
 import pytest
 import torch
 from family_testing import (
     as_list,
+    assert_captured_whole,
     assert_exports,
     assert_onnx_runs_as_pytorch,
     assert_padded_equal_reference,
@@ -141,12 +140,4 @@ def test_errors_name_the_argument(model):
 
 @cuda
 def test_the_whole_pipeline_is_one_cuda_graph(pipeline):
-    from bladesmith.runtimes.cuda_graph import CudaGraphRunner
-
-    on_gpu = copy.deepcopy(pipeline).cuda().eval()
-    images = sample_images(2, SIZE, device="cuda")
-    with torch.no_grad():
-        expected = on_gpu(images)
-    captured = CudaGraphRunner(on_gpu, torch.device("cuda"))
-    for got, want in zip(captured(images), expected):
-        torch.testing.assert_close(got, want)
+    assert_captured_whole(pipeline, sample_images(2, SIZE))
