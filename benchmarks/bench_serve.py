@@ -13,9 +13,11 @@ In-process: the loaded artifact called back to back on full batches of the size 
 built for (its best throughput), one thread. Served: `bladesmith.serve` (Triton, dynamic
 batching into that batch size, ``--instances`` model instances), loaded by client threads
 sending one image per request at each concurrency, every answer checked against the
-server's answer for the same image alone (``bladesmith loadtest``). The ratio is served
-images/s over in-process images/s. ``--shared-memory`` sends the images through system
-shared memory (the client's cost of sending them left out: what the server sustains).
+server's answer for the same image alone (``bladesmith loadtest``; the threads spread
+over ``--client-processes`` processes, answers checked after the clock stops). The
+ratio is served images/s over in-process images/s. ``--shared-memory`` sends the images
+through system shared memory (the client's cost of sending them left out: what the
+server sustains).
 """
 
 from __future__ import annotations
@@ -115,6 +117,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=1000, help="per concurrency")
     parser.add_argument("--instances", type=int, default=1, help="model instances")
     parser.add_argument("--max-queue-delay-us", type=int, default=2000)
+    parser.add_argument(
+        "--client-processes", type=int, default=8, help="load-generating processes (default 8)"
+    )
     parser.add_argument("--seconds", type=float, default=10.0, help="in-process timing")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--log", metavar="PATH", help="keep the server's log here")
@@ -154,6 +159,7 @@ def main() -> int:
                 concurrency=concurrency,
                 requests=args.requests,
                 shared_memory=args.shared_memory,
+                processes=args.client_processes,
             )
         finally:
             server.stop()
@@ -161,7 +167,8 @@ def main() -> int:
     through = "shared memory" if args.shared_memory else "HTTP"
     print(
         f"{artifact.name} (batch {batch}), {args.instances} instance(s), {device}, "
-        f"{args.image_dtype} images through {through}"
+        f"{args.image_dtype} images through {through}, {args.client_processes} client "
+        "process(es)"
     )
     print(
         f"{'concurrency':>11} {'images/s':>10} {'vs in-proc':>10} {'p50 ms':>8} "
@@ -181,6 +188,7 @@ def main() -> int:
             "device": device,
             "shared_memory": args.shared_memory,
             "image_dtype": args.image_dtype,
+            "client_processes": args.client_processes,
             "in_process_images_per_s": round(in_process, 2),
             "served": [vars(row) | {"ratio": row.throughput / in_process} for row in rows],
         }

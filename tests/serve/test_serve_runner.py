@@ -132,8 +132,9 @@ def test_outputs_without_a_batch_dimension_cannot_be_served(tmp_path):
 
 
 def test_loadtest_counts_an_answer_given_to_another_request_as_wrong(net_artifacts):
-    from bladesmith.serve.loadtest import _same
+    from bladesmith.serve.loadtest import comparison
 
+    _same = comparison(None)
     runner = BucketRunner(bladesmith.load(net_artifacts[".pt"]))
     first, second = runner.answer([[rows(1, 10)], [rows(1, 11)]])
     assert _same(first, first) and not _same(second, first)
@@ -162,8 +163,9 @@ def test_on_a_gpu_each_runner_replays_its_own_cuda_graph(tmp_path):
 def test_loadtest_judges_detections_as_the_gate_does_and_still_catches_a_mix_up(
     detector_artifact,
 ):
-    from bladesmith.serve.loadtest import _same
+    from bladesmith.serve.loadtest import comparison
 
+    _same = comparison(None)
     path, photos = detector_artifact
     runner = BucketRunner(bladesmith.load(path))
     other = (
@@ -175,6 +177,12 @@ def test_loadtest_judges_detections_as_the_gate_does_and_still_catches_a_mix_up(
     moved = dict(first, scores=first["scores"] + np.float32(3e-4) * (first["labels"] >= 0))
     assert _same(moved, first)
     assert not _same(second, first) and not _same(first, second)
+    # A model that computes in float16 moves scores further with the slot: 8e-3 is
+    # within its rounding, not float32's; a mix-up is caught all the same.
+    further = dict(first, scores=first["scores"] + np.float32(8e-3) * (first["labels"] >= 0))
+    half = comparison("float16")
+    assert half(further, first) and not _same(further, first)
+    assert not half(second, first)
 
 
 def test_outputs_that_view_the_input_survive_the_next_bucket(tmp_path):

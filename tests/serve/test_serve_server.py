@@ -245,9 +245,11 @@ def test_a_detector_served_as_uint8_answers_a_float_image_and_a_load_test(detect
     ) as server:
         with bladesmith.client(server.url, "detector") as detect:
             assert detect.inputs[0][1] == "UINT8"
+            assert detect.compute_dtype == bladesmith.load(path).spec.dtype
             comparison = compare_detections(expected, detect([photos[0]]))  # float32 given
             assert comparison.passed and comparison.matched > 0, comparison.summary()
-        [row] = loadtest(server.url, concurrency=(4,), requests=12)
+        # From two processes, two threads each, started together.
+        [row] = loadtest(server.url, concurrency=(4,), requests=12, processes=2)
         assert (row.answered, row.wrong, row.failed) == (12, 0, 0)
 
 

@@ -59,6 +59,13 @@ def add_parser(subparsers) -> None:
         help="send the images through system shared memory (a server on this machine): "
         "what the server sustains, without the cost of sending them",
     )
+    loadtest.add_argument(
+        "--processes",
+        type=at_least(1),
+        default=1,
+        help="client processes sharing the concurrency (default 1): more where one "
+        "Python process cannot send as fast as the server answers",
+    )
     loadtest.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     loadtest.set_defaults(func=run_loadtest)
 
@@ -137,6 +144,7 @@ def run_loadtest(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         requests=args.requests,
         shared_memory=args.shared_memory,
+        processes=args.processes,
     )
     print(render(rows))
     if args.json:

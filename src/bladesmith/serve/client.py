@@ -45,12 +45,22 @@ class Client:
                 "inputs": _grpc_tensors(metadata.inputs),
                 "outputs": _grpc_tensors(metadata.outputs),
             }
-            config = {"max_batch_size": config.config.max_batch_size}
+            config = {
+                "max_batch_size": config.config.max_batch_size,
+                "parameters": {
+                    key: {"string_value": value.string_value}
+                    for key, value in config.config.parameters.items()
+                },
+            }
         self.inputs = [
             (t["name"], t["datatype"], [int(d) for d in t["shape"]]) for t in metadata["inputs"]
         ]
         self.outputs = [t["name"] for t in metadata["outputs"]]
         self.max_batch = int(config.get("max_batch_size", 0))
+        # The dtype the model computes in, where the server says (bladesmith's Python
+        # backend does): how far an answer may move with the row's slot in a batch.
+        parameters = config.get("parameters", {})
+        self.compute_dtype = parameters.get("compute_dtype", {}).get("string_value")
         self.detections = tuple(self.outputs) == DetectionFamily.output_names
 
     def _call(self, method, *args, **kwargs):

@@ -7,18 +7,26 @@ lost, failed or given to the wrong request is counted, not hidden in the timings
 "Equal" allows for where the server put the row: a GPU's convolutions give a row's
 numbers slightly differently in each slot of a batch (H200, RetinaNet in float32:
 scores moved by up to 8.5e-5 between slot 0 and slot 8, and 0 when the row kept its
-slot; ``benchmarks/probe_serve_batches.py``). Floats are compared within their dtype's
-rounding, and a detector's answers as ``optimize``'s gate compares detections: near ties
-that such a change flips are excused, a mix-up is not.
+slot; ``benchmarks/probe_serve_batches.py``). Floats are compared within the rounding
+of the dtype the model computes in (the server's ``compute_dtype``, else the output's),
+and a detector's answers as ``optimize``'s gate compares detections: near ties that
+such a change flips are excused, a mix-up is not.
+
+The answers are checked after the clock stops, and the requests can come from several
+processes (``processes``): one Python process's threads share one interpreter lock, and
+a fast server answers faster than they can send and read, so a single process would
+time the load generator.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
+from queue import Empty
 
 import numpy as np
 
@@ -26,8 +34,10 @@ from bladesmith.errors import BladesmithError
 from bladesmith.families.base import DetectionFamily
 from bladesmith.serve.client import Client, cut_padding
 from bladesmith.verify import compare_detections
+from bladesmith.verify.tolerance import default_tolerance, detection_score_tolerance
 
 DISTINCT_ROWS = 64  # rows cycled through; enough that a swapped answer shows
+WORKER_TIMEOUT_S = 600.0  # a load-generating process that has not reported by then failed
 
 
 @dataclass(frozen=True)
@@ -52,66 +62,170 @@ def loadtest(
     requests: int = 200,
     seed: int = 0,
     shared_memory: bool = False,
+    processes: int = 1,
 ) -> list[LoadRow]:
-    """Send ``requests`` one-row requests at each concurrency to ``model`` at ``url``.
+    """Send ``requests`` one-row requests at each concurrency to ``model`` at ``url``,
+    from at most ``processes`` processes (the concurrency's threads shared among them).
     With ``shared_memory`` the rows are written once into system shared memory, and
     requests carry only their names: what the server sustains, without the client's
     cost of sending each row (the server must run on this machine)."""
+    if processes < 1:
+        raise BladesmithError(f"loadtest: processes must be at least 1, got {processes}")
     model = model or _only_model(url)
     with Client(url, model) as probe:
-        rows = _distinct_rows(probe, min(requests, DISTINCT_ROWS), seed)
+        count = min(requests, DISTINCT_ROWS)
+        rows = _distinct_rows(probe, count, seed)
         references = [probe.infer(*row) for row in rows]
+        same = comparison(probe.compute_dtype)
         with probe.shared_inputs(rows) if shared_memory else nullcontext() as regions:
+            job = _Job(url, model, count, seed, regions)
             return [
-                _run(url, model, rows, references, level, requests, regions)
+                _run(job, rows, references, same, level, requests, processes)
                 for level in concurrency
             ]
 
 
-def _run(url, model, rows, references, concurrency: int, requests: int, regions) -> LoadRow:
-    local = threading.local()
-    clients: list[Client] = []
-    lock = threading.Lock()
+@dataclass(frozen=True)
+class _Job:
+    """What a load-generating process needs (it makes the same rows from the seed)."""
 
-    def send(index: int) -> tuple[str, float]:
-        if not hasattr(local, "client"):
-            local.client = Client(url, model)
-            with lock:
-                clients.append(local.client)
-        row = index % len(rows)
-        start = time.perf_counter()
-        try:
-            answer = local.client.infer(*rows[row], regions=regions and regions[row])
-        except Exception:  # noqa: BLE001 - an error response, a timeout: counted as failed
-            return "failed", time.perf_counter() - start
-        elapsed = time.perf_counter() - start
-        return ("answered" if _same(answer, references[row]) else "wrong"), elapsed
+    url: str
+    model: str
+    rows: int
+    seed: int
+    regions: list[list[str]] | None
 
-    try:
-        with ThreadPoolExecutor(concurrency) as pool:
-            list(pool.map(send, range(min(concurrency, requests))))  # connect and warm up
-            start = time.perf_counter()
-            results = list(pool.map(send, range(requests)))
-            seconds = time.perf_counter() - start
-    finally:
-        for client in clients:
-            client.close()
-    outcomes = [outcome for outcome, _ in results]
-    latencies = np.array([elapsed for _, elapsed in results]) * 1e3
+
+def _run(job, rows, references, same, concurrency, requests, processes) -> LoadRow:
+    workers = min(processes, concurrency)
+    shares = [list(range(requests))[k::workers] for k in range(workers)]
+    threads = [len(range(concurrency)[k::workers]) for k in range(workers)]
+    if workers == 1:
+        results = _send(job, rows, shares[0], threads[0], None)
+    else:
+        results = _in_processes(job, shares, threads)
+    answered = wrong = failed = 0
+    for row, answer, _, _ in results:
+        if answer is None:
+            failed += 1
+        elif same(answer, references[row]):
+            answered += 1
+        else:
+            wrong += 1
+    seconds = max(end for *_, end in results) - min(start for *_, start, _ in results)
+    latencies = np.array([end - start for *_, start, end in results]) * 1e3
     p50, p90, p99 = np.percentile(latencies, [50, 90, 99])
-    answered = outcomes.count("answered")
     return LoadRow(
         concurrency=concurrency,
         requests=requests,
         answered=answered,
-        wrong=outcomes.count("wrong"),
-        failed=outcomes.count("failed"),
+        wrong=wrong,
+        failed=failed,
         seconds=round(seconds, 3),
         throughput=round(answered / seconds, 2),
         p50_ms=round(float(p50), 2),
         p90_ms=round(float(p90), 2),
         p99_ms=round(float(p99), 2),
     )
+
+
+def _in_processes(job: _Job, shares: list[list[int]], threads: list[int]) -> list[tuple]:
+    """``_send`` in one process per share, started together (a barrier after each has
+    connected and warmed up); their results, in any order."""
+    context = multiprocessing.get_context("spawn")  # no fork of a threaded client
+    barrier = context.Barrier(len(shares))
+    queue = context.Queue()
+    workers = [
+        context.Process(target=_worker, args=(job, share, count, barrier, queue), daemon=True)
+        for share, count in zip(shares, threads)
+    ]
+    for worker in workers:
+        worker.start()
+    results = []
+    try:
+        for _ in workers:
+            try:
+                outcome = queue.get(timeout=WORKER_TIMEOUT_S)
+            except Empty:
+                raise BladesmithError("loadtest: a load-generating process hung or died") from None
+            if isinstance(outcome, str):
+                raise BladesmithError(f"loadtest: a load-generating process failed: {outcome}")
+            results.extend(outcome)
+    finally:
+        for worker in workers:
+            worker.join(5)
+            if worker.is_alive():
+                worker.kill()
+    return results
+
+
+def _worker(job: _Job, share, threads, barrier, queue) -> None:
+    try:
+        with Client(job.url, job.model) as probe:
+            rows = _distinct_rows(probe, job.rows, job.seed)
+        queue.put(_send(job, rows, share, threads, barrier))
+    except BaseException as error:  # noqa: BLE001 - the parent reports it
+        barrier.abort()
+        queue.put(f"{type(error).__name__}: {error}")
+
+
+def _send(job: _Job, rows, share: list[int], threads: int, barrier) -> list[tuple]:
+    """Send the requests numbered ``share`` (request k carries row k mod rows) from
+    ``threads`` threads, each with its own client, after one warm-up request per thread
+    (and ``barrier``, where processes start together). Per request: its row, its answer
+    (None: failed) and when it started and ended (``time.monotonic``, one clock for all
+    processes)."""
+    local = threading.local()
+    clients: list[Client] = []
+    lock = threading.Lock()
+
+    def send(index: int) -> tuple:
+        if not hasattr(local, "client"):
+            local.client = Client(job.url, job.model)
+            with lock:
+                clients.append(local.client)
+        row = index % len(rows)
+        regions = job.regions and job.regions[row]
+        start = time.monotonic()
+        try:
+            answer = local.client.infer(*rows[row], regions=regions)
+        except Exception:  # noqa: BLE001 - an error response, a timeout: counted as failed
+            answer = None
+        return row, answer, start, time.monotonic()
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(send, share[:threads]))  # connect and warm up
+            if barrier is not None:
+                barrier.wait()
+            return list(pool.map(send, share))
+    finally:
+        for client in clients:
+            client.close()
+
+
+def comparison(compute_dtype: str | None):
+    """``same(answer, reference)``: whether a served answer equals the reference within
+    the rounding of ``compute_dtype`` (the dtype the model computes in, e.g. "float16";
+    None: the outputs' own)."""
+    import torch
+
+    compute = getattr(torch, compute_dtype or "", None)
+    compute = compute if isinstance(compute, torch.dtype) else None
+
+    def same(answer: dict, reference: dict) -> bool:
+        if answer.keys() != reference.keys():
+            return False
+        if any(answer[name].shape != expected.shape for name, expected in reference.items()):
+            return False
+        if tuple(reference)[:4] == DetectionFamily.output_names:
+            score_atol = detection_score_tolerance(compute) if compute else None
+            return compare_detections(
+                _detections(reference), _detections(answer), score_atol=score_atol
+            ).passed
+        return all(_close(answer[name], expected, compute) for name, expected in reference.items())
+
+    return same
 
 
 def _distinct_rows(client: Client, count: int, seed: int) -> list[list[np.ndarray]]:
@@ -133,21 +247,15 @@ def _distinct_rows(client: Client, count: int, seed: int) -> list[list[np.ndarra
     return requests
 
 
-def _same(answer: dict, reference: dict) -> bool:
-    if answer.keys() != reference.keys():
-        return False
-    if any(answer[name].shape != expected.shape for name, expected in reference.items()):
-        return False
-    if tuple(reference)[:4] == DetectionFamily.output_names:
-        return compare_detections(_detections(reference), _detections(answer)).passed
-    return all(_close(answer[name], expected) for name, expected in reference.items())
-
-
-def _close(got: np.ndarray, expected: np.ndarray) -> bool:
+def _close(got: np.ndarray, expected: np.ndarray, compute) -> bool:
     if not np.issubdtype(expected.dtype, np.floating):
         return np.array_equal(got, expected)
-    tolerance = 1e-2 if expected.dtype.itemsize < 4 else 1e-4  # half precision: 2^-11
-    return np.allclose(got, expected, rtol=tolerance, atol=tolerance)
+    import torch
+
+    # The coarser of the output's dtype and the one the model computes in.
+    dtypes = [torch.from_numpy(expected[:0]).dtype, *([compute] if compute else [])]
+    rtol, atol = max(default_tolerance(dtype) for dtype in dtypes)
+    return np.allclose(got, expected, rtol=rtol, atol=atol)
 
 
 def _detections(answer: dict) -> list[dict]:

@@ -112,6 +112,7 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
     loaded = bladesmith.load(artifact)
     gpus = _gpus(artifact, loaded.device, deployment.device)
     signature = signature_of(loaded, deployment.image_dtype)
+    compute_dtype = loaded.spec.dtype
     del loaded
     if gpus is not None:
         torch.cuda.empty_cache()  # the instances load their own copies; this one is done
@@ -129,6 +130,7 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
         "libraries": json.dumps([library.name for library in libraries]),
         "torch_threads": str(deployment.torch_threads),
         "image_dtype": deployment.image_dtype,
+        "compute_dtype": compute_dtype,
     }
     if link:
         parameters["bladesmith_source"] = str(Path(bladesmith.__file__).parent.parent)
