@@ -115,6 +115,12 @@ def main() -> int:
     )
     parser.add_argument("--concurrency", default="1,8,32,128", help="default 1,8,32,128")
     parser.add_argument("--requests", type=int, default=1000, help="per concurrency")
+    parser.add_argument(
+        "--requests-at-1",
+        type=int,
+        default=200,
+        help="at concurrency 1 (default 200: each request waits for a whole bucket)",
+    )
     parser.add_argument("--instances", type=int, default=1, help="model instances")
     parser.add_argument("--max-queue-delay-us", type=int, default=2000)
     parser.add_argument(
@@ -153,14 +159,19 @@ def main() -> int:
             log=Path(args.log or Path(folder) / "triton.log"),
         )
         try:
-            rows = loadtest(
-                server.url,
-                "model",
-                concurrency=concurrency,
-                requests=args.requests,
-                shared_memory=args.shared_memory,
-                processes=args.client_processes,
-            )
+            rows = []
+            for level in concurrency:  # printed as they come: a cut-off run keeps them
+                requests = args.requests_at_1 if level == 1 else args.requests
+                [row] = loadtest(
+                    server.url,
+                    "model",
+                    concurrency=(level,),
+                    requests=requests,
+                    shared_memory=args.shared_memory,
+                    processes=args.client_processes,
+                )
+                print(f"served: {row}", flush=True)
+                rows.append(row)
         finally:
             server.stop()
     device = "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -76,13 +76,9 @@ def loadtest(
         count = min(requests, DISTINCT_ROWS)
         rows = _distinct_rows(probe, count, seed)
         references = [probe.infer(*row) for row in rows]
-        same = comparison(probe.compute_dtype)
         with probe.shared_inputs(rows) if shared_memory else nullcontext() as regions:
-            job = _Job(url, model, count, seed, regions)
-            return [
-                _run(job, rows, references, same, level, requests, processes)
-                for level in concurrency
-            ]
+            job = _Job(url, model, count, seed, regions, references, probe.compute_dtype)
+            return [_run(job, rows, level, requests, processes) for level in concurrency]
 
 
 @dataclass(frozen=True)
@@ -94,33 +90,29 @@ class _Job:
     rows: int
     seed: int
     regions: list[list[str]] | None
+    references: list[dict]  # each row's answer alone
+    compute_dtype: str | None
 
 
-def _run(job, rows, references, same, concurrency, requests, processes) -> LoadRow:
+def _run(job, rows, concurrency, requests, processes) -> LoadRow:
     workers = min(processes, concurrency)
     shares = [list(range(requests))[k::workers] for k in range(workers)]
     threads = [len(range(concurrency)[k::workers]) for k in range(workers)]
     if workers == 1:
-        results = _send(job, rows, shares[0], threads[0], None)
+        results = _judged(job, _send(job, rows, shares[0], threads[0], None))
     else:
         results = _in_processes(job, shares, threads)
-    answered = wrong = failed = 0
-    for row, answer, _, _ in results:
-        if answer is None:
-            failed += 1
-        elif same(answer, references[row]):
-            answered += 1
-        else:
-            wrong += 1
-    seconds = max(end for *_, end in results) - min(start for *_, start, _ in results)
-    latencies = np.array([end - start for *_, start, end in results]) * 1e3
+    outcomes = [outcome for outcome, _, _ in results]
+    answered = outcomes.count("answered")
+    seconds = max(end for *_, end in results) - min(start for _, start, _ in results)
+    latencies = np.array([end - start for _, start, end in results]) * 1e3
     p50, p90, p99 = np.percentile(latencies, [50, 90, 99])
     return LoadRow(
         concurrency=concurrency,
         requests=requests,
         answered=answered,
-        wrong=wrong,
-        failed=failed,
+        wrong=outcomes.count("wrong"),
+        failed=outcomes.count("failed"),
         seconds=round(seconds, 3),
         throughput=round(answered / seconds, 2),
         p50_ms=round(float(p50), 2),
@@ -131,7 +123,8 @@ def _run(job, rows, references, same, concurrency, requests, processes) -> LoadR
 
 def _in_processes(job: _Job, shares: list[list[int]], threads: list[int]) -> list[tuple]:
     """``_send`` in one process per share, started together (a barrier after each has
-    connected and warmed up); their results, in any order."""
+    connected and warmed up), each judging its answers once all have sent theirs; their
+    results, in any order."""
     context = multiprocessing.get_context("spawn")  # no fork of a threaded client
     barrier = context.Barrier(len(shares))
     queue = context.Queue()
@@ -163,7 +156,9 @@ def _worker(job: _Job, share, threads, barrier, queue) -> None:
     try:
         with Client(job.url, job.model) as probe:
             rows = _distinct_rows(probe, job.rows, job.seed)
-        queue.put(_send(job, rows, share, threads, barrier))
+        results = _send(job, rows, share, threads, barrier)
+        barrier.wait()  # judged once every process has sent: off the clock
+        queue.put(_judged(job, results))
     except BaseException as error:  # noqa: BLE001 - the parent reports it
         barrier.abort()
         queue.put(f"{type(error).__name__}: {error}")
@@ -202,6 +197,20 @@ def _send(job: _Job, rows, share: list[int], threads: int, barrier) -> list[tupl
     finally:
         for client in clients:
             client.close()
+
+
+def _judged(job: _Job, results: list[tuple]) -> list[tuple]:
+    """Per request: "answered" (equal to its row's reference), "wrong" or "failed", and
+    when it started and ended."""
+    same = comparison(job.compute_dtype)
+    judged = []
+    for row, answer, start, end in results:
+        if answer is None:
+            outcome = "failed"
+        else:
+            outcome = "answered" if same(answer, job.references[row]) else "wrong"
+        judged.append((outcome, start, end))
+    return judged
 
 
 def comparison(compute_dtype: str | None):
@@ -253,7 +262,7 @@ def _close(got: np.ndarray, expected: np.ndarray, compute) -> bool:
     import torch
 
     # The coarser of the output's dtype and the one the model computes in.
-    dtypes = [torch.from_numpy(expected[:0]).dtype, *([compute] if compute else [])]
+    dtypes = [torch.from_numpy(np.zeros(0, expected.dtype)).dtype, *([compute] if compute else [])]
     rtol, atol = max(default_tolerance(dtype) for dtype in dtypes)
     return np.allclose(got, expected, rtol=rtol, atol=atol)
 
