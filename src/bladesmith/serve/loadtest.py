@@ -10,7 +10,9 @@ scores moved by up to 8.5e-5 between slot 0 and slot 8, and 0 when the row kept 
 slot; ``benchmarks/probe_serve_batches.py``). Floats are compared within the rounding
 of the dtype the model computes in (the server's ``compute_dtype``, else the output's),
 and a detector's answers as ``optimize``'s gate compares detections: near ties that
-such a change flips are excused, a mix-up is not.
+such a change flips are excused, and so is a detection that the row's own answers from
+other slots of a full batch (asked beside the references) gain or lose, as the gate
+excuses what rounding noise flips; a mix-up is not.
 
 The answers are checked after the clock stops, and the requests can come from several
 processes (``processes``): one Python process's threads share one interpreter lock, and
@@ -76,8 +78,9 @@ def loadtest(
         count = min(requests, DISTINCT_ROWS)
         rows = _distinct_rows(probe, count, seed)
         references = [probe.infer(*row) for row in rows]
+        variants = _slot_variants(probe, rows)
         with probe.shared_inputs(rows) if shared_memory else nullcontext() as regions:
-            job = _Job(url, model, count, seed, regions, references, probe.compute_dtype)
+            job = _Job(url, model, count, seed, regions, references, variants, probe.compute_dtype)
             return [_run(job, rows, level, requests, processes) for level in concurrency]
 
 
@@ -91,6 +94,7 @@ class _Job:
     seed: int
     regions: list[list[str]] | None
     references: list[dict]  # each row's answer alone
+    variants: list[list[dict]]  # each row's answers from other slots of a batch
     compute_dtype: str | None
 
 
@@ -208,21 +212,23 @@ def _judged(job: _Job, results: list[tuple]) -> list[tuple]:
         if answer is None:
             outcome = "failed"
         else:
-            outcome = "answered" if same(answer, job.references[row]) else "wrong"
+            agrees = same(answer, job.references[row], job.variants[row])
+            outcome = "answered" if agrees else "wrong"
         judged.append((outcome, start, end))
     return judged
 
 
 def comparison(compute_dtype: str | None):
-    """``same(answer, reference)``: whether a served answer equals the reference within
-    the rounding of ``compute_dtype`` (the dtype the model computes in, e.g. "float16";
-    None: the outputs' own)."""
+    """``same(answer, reference, variants=())``: whether a served answer equals the
+    reference within the rounding of ``compute_dtype`` (the dtype the model computes
+    in, e.g. "float16"; None: the outputs' own); a detector's ``variants`` (the same
+    row's answers from other slots) excuse the detections that the slot alone flips."""
     import torch
 
     compute = getattr(torch, compute_dtype or "", None)
     compute = compute if isinstance(compute, torch.dtype) else None
 
-    def same(answer: dict, reference: dict) -> bool:
+    def same(answer: dict, reference: dict, variants=()) -> bool:
         if answer.keys() != reference.keys():
             return False
         if any(answer[name].shape != expected.shape for name, expected in reference.items()):
@@ -230,11 +236,32 @@ def comparison(compute_dtype: str | None):
         if tuple(reference)[:4] == DetectionFamily.output_names:
             score_atol = detection_score_tolerance(compute) if compute else None
             return compare_detections(
-                _detections(reference), _detections(answer), score_atol=score_atol
+                _detections(reference),
+                _detections(answer),
+                score_atol=score_atol,
+                noisy=[_detections(variant) for variant in variants],
             ).passed
         return all(_close(answer[name], expected, compute) for name, expected in reference.items())
 
     return same
+
+
+def _slot_variants(client: Client, rows: list[list[np.ndarray]]) -> list[list[dict]]:
+    """A detector's answer to each row from two other slots: the rows sent in full
+    batches in order and reversed (row i in slot i mod batch, then batch - 1 - that).
+    Empty lists for other models, and where the server takes one row at a time."""
+    if not client.detections or client.max_batch < 2:
+        return [[] for _ in rows]
+    variants: list[list[dict]] = [[] for _ in rows]
+    order = list(range(len(rows)))
+    for arrangement in (order, order[::-1]):
+        for start in range(0, len(arrangement), client.max_batch):
+            chunk = arrangement[start : start + client.max_batch]
+            stacked = [np.concatenate(arrays) for arrays in zip(*(rows[i] for i in chunk))]
+            answer = client.infer(*stacked)
+            for slot, i in enumerate(chunk):
+                variants[i].append({name: value[slot : slot + 1] for name, value in answer.items()})
+    return variants
 
 
 def _distinct_rows(client: Client, count: int, seed: int) -> list[list[np.ndarray]]:
