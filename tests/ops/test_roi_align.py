@@ -85,3 +85,13 @@ def test_other_dtypes_take_torchvisions_operator_and_bad_boxes_are_refused():
         torch.ops.bladesmith.roi_align_nhwc(
             torch.randn(1, 4, 8, 8), torch.zeros(3, 4), 1.0, 2, 2, 2, False
         )
+
+
+def test_bfloat16_features_are_pooled_in_float32_where_torchvision_has_no_kernel():
+    features = torch.randn(2, 8, 12, 12).bfloat16()
+    rois = random_rois(30, 2, 12, 12, seed=5)
+    with pytest.raises(RuntimeError, match="not implemented for 'BFloat16'"):
+        torchvision_roi_align(features, rois.bfloat16(), (5, 5), 1.0, 2)
+    pooled = roi_align(features, rois.bfloat16(), (5, 5), 1.0, 2)
+    want = torchvision_roi_align(features.float(), rois.bfloat16().float(), (5, 5), 1.0, 2)
+    assert pooled.dtype == torch.bfloat16 and torch.equal(pooled, want.bfloat16())

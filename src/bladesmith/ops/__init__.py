@@ -118,10 +118,16 @@ def roi_align(
     On a CPU, in float32 and outside compilation and ONNX export, ``roi_align_nhwc``: the
     same floats from the feature map in channels_last, vectorised over the channels and
     threaded over the boxes (torchvision's CPU kernel runs one channel and one box at a
-    time). Elsewhere torchvision's operator."""
+    time). Elsewhere torchvision's operator. bfloat16 features, for which torchvision
+    has no kernel on either device, are pooled in float32 and returned in bfloat16."""
     import torch
     from torchvision.ops import roi_align as torchvision_roi_align
 
+    if features.dtype == torch.bfloat16:
+        pooled = roi_align(
+            features.float(), rois.float(), output_size, spatial_scale, sampling_ratio, aligned
+        )
+        return pooled.to(torch.bfloat16)
     if features.device.type == "cpu" and features.dtype == torch.float32 and not exporting():
         nhwc = features.contiguous(memory_format=torch.channels_last)
         height, width = output_size

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 
+import torch
+
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
 from bladesmith.runtimes.onnxruntime import OnnxRunnerPerShape, follows_the_batch, onnx_runner
@@ -35,6 +37,8 @@ class OnnxRuntime(Pass):
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if importlib.util.find_spec("onnxruntime") is None:
             return "onnxruntime is not installed (pip install onnxruntime)"
+        if candidate.dtype == torch.bfloat16:
+            return "ONNX's convolutions take no bfloat16 (the bf16 pass was kept)"
         from bladesmith.onnx import user_ops
 
         untranslated = sorted(
