@@ -85,3 +85,16 @@ def test_freezing_an_autocast_model_keeps_autocast_outside_the_frozen_graph():
         got, expected = frozen(x), eager(x)
     assert got.dtype == torch.float32
     assert 0 < (got - expected).abs().max() < 0.05
+
+
+def test_bf16_is_tried_on_a_cpu_only_where_it_computes_in_bfloat16(monkeypatch):
+    import bladesmith.passes.precision as precision
+
+    candidate = Candidate(module=nn.Linear(4, 2), device=torch.device("cpu"))
+    context = context_for((torch.randn(3, 4),))
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)
+    assert "no bfloat16 arithmetic" in BFloat16().skip_reason(candidate, context)
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)
+    assert BFloat16().skip_reason(candidate, context) is None
+    # The probe answers for this machine, whichever it is.
+    assert isinstance(precision.cpu_has_bf16(), bool)
