@@ -98,3 +98,42 @@ def test_bf16_is_tried_on_a_cpu_only_where_it_computes_in_bfloat16(monkeypatch):
     assert BFloat16().skip_reason(candidate, context) is None
     # The probe answers for this machine, whichever it is.
     assert isinstance(precision.cpu_has_bf16(), bool)
+
+
+def test_linear_bf16_runs_the_linear_layers_alone_in_bfloat16_and_saves(tmp_path, monkeypatch):
+    import bladesmith
+    import bladesmith.passes.precision as precision
+    from bladesmith import fresh_load
+    from bladesmith.config import Config
+    from bladesmith.passes.precision import BFloat16Linear, LinearBFloat16
+
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)  # whatever this CPU is
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 64), nn.ReLU())
+    model.append(nn.Linear(64, 5))
+    x = torch.rand(2, 3, 8, 8)
+    context = context_for((x,))
+    candidate = Candidate(module=model, device=torch.device("cpu"))
+    assert LinearBFloat16().skip_reason(candidate, context) is None
+    mixed = LinearBFloat16().apply(candidate, context)
+    assert mixed.dtype == torch.bfloat16
+    assert isinstance(mixed.module[0], nn.Conv2d) and mixed.module[0].weight.dtype == torch.float32
+    assert all(isinstance(mixed.module[i], BFloat16Linear) for i in (2, 4))
+    assert isinstance(model[2], nn.Linear)  # the model given is untouched
+    with torch.no_grad():
+        out, expected = mixed(x), model(x)
+    assert out.dtype == torch.float32 and not torch.equal(out, expected)
+    torch.testing.assert_close(out, expected, rtol=5e-2, atol=2e-2)
+    no_linear = Candidate(module=nn.Conv2d(3, 4, 3), device=torch.device("cpu"))
+    assert "no Linear layer" in LinearBFloat16().skip_reason(no_linear, context)
+    assert "already computes in" in LinearBFloat16().skip_reason(mixed, context)
+
+    # Through the gate, saved, and run in a new process with the same outputs.
+    config = Config(warmup=0, iters=2, min_speedup=0.01)
+    optimized, spec, _ = bladesmith.optimize(
+        model, device="cpu", test_data=[(x,)], config=config, passes=[LinearBFloat16()]
+    )
+    assert spec.passes == ("linear_bf16",) and spec.dtype == "bfloat16"
+    outputs, problem = fresh_load.run_saved(bladesmith.save(optimized, tmp_path / "m.pt"), (x,))
+    assert problem is None
+    torch.testing.assert_close(outputs, optimized(x))

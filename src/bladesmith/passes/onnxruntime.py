@@ -38,7 +38,7 @@ class OnnxRuntime(Pass):
         if importlib.util.find_spec("onnxruntime") is None:
             return "onnxruntime is not installed (pip install onnxruntime)"
         if candidate.dtype == torch.bfloat16:
-            return "ONNX's convolutions take no bfloat16 (the bf16 pass was kept)"
+            return "ONNX Runtime's CPU kernels take no bfloat16 (a bfloat16 pass was kept)"
         from bladesmith.onnx import user_ops
 
         untranslated = sorted(
