@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
 from bladesmith.runtimes.torchscript import is_torchscript
+from bladesmith.verify import dtype_name
 
 
 class CastFloats(nn.Module):
@@ -61,6 +62,9 @@ def _cast(value, dtype: torch.dtype):
     return value
 
 
+NO_CPU_BF16 = "this CPU has no bfloat16 arithmetic (AVX512-BF16 or AMX): slower than float32"
+
+
 class Float16(Pass):
     """Half precision (fp16) weights and activations, gated by the accuracy check."""
 
@@ -72,7 +76,7 @@ class Float16(Pass):
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if candidate.dtype != torch.float32:
-            return f"the model already computes in {_name(candidate.dtype)}"
+            return f"the model already computes in {dtype_name(candidate.dtype)}"
         if not any(p.is_floating_point() for p in candidate.module.parameters()):
             return "the model has no floating-point parameters"
         return None
@@ -104,16 +108,17 @@ class BFloat16(Float16):
         if context.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             return f"{torch.cuda.get_device_name(context.device)} has no bf16 support"
         if context.device.type == "cpu" and not cpu_has_bf16():
-            return "this CPU has no bfloat16 arithmetic (AVX512-BF16 or AMX): slower than float32"
+            return NO_CPU_BF16
         return super().skip_reason(candidate, context)
 
 
 class BFloat16Linear(nn.Module):
-    """``linear`` with its matrix product in bfloat16: input cast in, output cast back."""
+    """``linear`` (converted in place: a copy's) with its matrix product in bfloat16:
+    input cast in, output cast back."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.linear = copy.deepcopy(linear).to(torch.bfloat16)
+        self.linear = linear.to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x.to(torch.bfloat16)).to(x.dtype)
@@ -133,9 +138,9 @@ class LinearBFloat16(Pass):
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if not cpu_has_bf16():
-            return "this CPU has no bfloat16 arithmetic (AVX512-BF16 or AMX): slower than float32"
+            return NO_CPU_BF16
         if candidate.dtype != torch.float32:
-            return f"the model already computes in {_name(candidate.dtype)}"
+            return f"the model already computes in {dtype_name(candidate.dtype)}"
         if not any(isinstance(m, nn.Linear) for m in candidate.module.modules()):
             return "the model has no Linear layer"
         return None
@@ -165,7 +170,3 @@ def _fails(module: nn.Module, args: tuple) -> bool:
     except RuntimeError:
         return True
     return False
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
