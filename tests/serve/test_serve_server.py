@@ -257,3 +257,11 @@ def test_serve_says_in_one_line_what_is_wrong(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "missing.pt2")]) == 2
     err = capsys.readouterr().err
     assert ": error: " in err and "missing.pt2" in err and len(err.splitlines()) == 1
+
+
+def test_loadtest_of_a_server_that_is_not_there_says_so_in_one_line(capsys):
+    [port] = free_ports(1)
+    for named in ([], ["--model", "m"]):  # the model found on the server, or named
+        assert main(["loadtest", f"localhost:{port}", *named]) == 2
+        err = capsys.readouterr().err
+        assert "cannot reach" in err and f"localhost:{port}" in err and len(err.splitlines()) == 1

@@ -70,6 +70,8 @@ class Client:
             return method(*args, **kwargs)
         except InferenceServerException as error:
             raise BladesmithError(f"{self.url} ({self.model}): {error.message()}") from None
+        except OSError as error:  # refused, reset, timed out: the server, not the request
+            raise BladesmithError(f"{self.url} ({self.model}): cannot reach it: {error}") from None
 
     def infer(self, *arrays: np.ndarray, regions: list[str] | None = None) -> dict[str, np.ndarray]:
         """One request: the model's inputs (rows first) -> its outputs by name. With
