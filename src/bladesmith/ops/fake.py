@@ -14,12 +14,9 @@ import math
 import torch
 
 from bladesmith.ops import BBOX_CLIP
+from bladesmith.verify import dtype_name
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _check_rank(t: torch.Tensor, name: str, rank: int, layout: str) -> None:
@@ -37,17 +34,15 @@ def _check_size(t, name: str, dim: int, expected, meaning: str, layout: str) -> 
 
 def _check_float(t: torch.Tensor, name: str) -> None:
     if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"{name}: expected float32, float16 or bfloat16, got {_dtype_name(t.dtype)}"
-        )
+        raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {dtype_name(t.dtype)}")
 
 
 def _check_like(t: torch.Tensor, name: str, ref: torch.Tensor, ref_name: str) -> None:
     """Same dtype and device as ``ref``."""
     if t.dtype != ref.dtype:
         raise TypeError(
-            f"{name}: expected dtype {_dtype_name(ref.dtype)} (the dtype of {ref_name}), "
-            f"got {_dtype_name(t.dtype)}"
+            f"{name}: expected dtype {dtype_name(ref.dtype)} (the dtype of {ref_name}), "
+            f"got {dtype_name(t.dtype)}"
         )
     _check_device(t, name, ref, ref_name)
 
@@ -61,7 +56,7 @@ def _check_device(t: torch.Tensor, name: str, ref: torch.Tensor, ref_name: str) 
 
 def _check_int64(t: torch.Tensor, name: str) -> None:
     if t.dtype != torch.int64:
-        raise TypeError(f"{name}: expected dtype int64, got {_dtype_name(t.dtype)}")
+        raise TypeError(f"{name}: expected dtype int64, got {dtype_name(t.dtype)}")
 
 
 def _check_number(value: float, name: str) -> None:
