@@ -4,7 +4,8 @@
 # machine's own python3 and torch, and bladesmith from src/.
 #   bash benchmarks/gpu_suite.sh [cuda-tests] [cuda-ops-tests] [tests] [bench-ops] [bench-passes]
 #       [bench-optimize] [bench-optimize-b1] [probe-reload] [bench-models] [bench-scripted]
-#       [bench-families] [family-NAME] [probe-capture] [probe-capture-rcnn] [probe-serve-batches]
+#       [bench-families] [family-NAME] [probe-capture] [probe-capture-rcnn] [probe-rcnn]
+#       [probe-serve-batches]
 #       [serve-artifact] [bench-serve] [bench-serve-http|shm|uint8]
 # cuda-tests runs only the tests marked `cuda` (the rest run in CI on the CPU);
 # cuda-ops-tests only those of the custom operators. family-NAME runs bench_families.py
@@ -75,6 +76,11 @@ for s in $steps; do
             --json "$out/bench_families.json" ;;
         family-*) step "$s" python3 benchmarks/bench_families.py --families "${s#family-}" \
             --batches ${FAMILY_BATCHES:-1} --warmup 5 --iters 25 --json "$out/$s.json" ;;
+        probe-rcnn)  # Faster R-CNN's stages, float32 then as o1 kept it
+            step probe-rcnn-fp32 python3 benchmarks/probe_rcnn.py --passes fixed_shape
+            mv -f "$out/rcnn_kernels.txt" "$out/rcnn_kernels_fp32.txt" 2>/dev/null
+            step probe-rcnn-fp16 python3 benchmarks/probe_rcnn.py \
+                --passes fixed_shape,fp16,channels_last,conv_fusion ;;
         probe-serve-batches) step probe-serve-batches python3 benchmarks/probe_serve_batches.py ;;
         serve-artifact) serve_artifact ;;
         bench-serve*)  # Triton from the carried wheels (.whl, see benchmarks/README.md)

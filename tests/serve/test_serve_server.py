@@ -57,7 +57,7 @@ def _children(pid: int) -> list[int]:
 
 @pytest.fixture
 def served_net(net_artifacts, tmp_path):
-    """`bladesmith serve net.pt` as a user runs it: (process, http port, metrics port)."""
+    """`bladesmith serve net.pt` as a user runs it: (process, http, grpc and metrics ports)."""
     http, grpc, metrics = free_ports(3)
     log = tmp_path / "serve.log"
     command = [
@@ -71,7 +71,7 @@ def served_net(net_artifacts, tmp_path):
         )
     try:
         _wait_ready(http, process, log)
-        yield process, http, metrics
+        yield process, http, grpc, metrics
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -89,7 +89,7 @@ def _request(client, x: np.ndarray, dtype: str = "FP32"):
 
 
 def test_serve_answers_concurrent_requests_refuses_bad_ones_and_stops_cleanly(served_net, tmp_path):
-    process, http, metrics = served_net
+    process, http, grpc, metrics = served_net
     url = f"127.0.0.1:{http}"
     generator = np.random.default_rng(0)
     requests = [
@@ -145,11 +145,17 @@ def test_serve_answers_concurrent_requests_refuses_bad_ones_and_stops_cleanly(se
     report = tmp_path / "loadtest.json"
     arguments = ["loadtest", url, "--concurrency", "1,8", "--requests", "40", "--json", str(report)]
     assert main(arguments) == 0
-    rows = [
-        (r["concurrency"], r["answered"], r["wrong"], r["failed"])
-        for r in json.loads(report.read_text())
-    ]
+    found = json.loads(report.read_text())
+    rows = [(r["concurrency"], r["answered"], r["wrong"], r["failed"]) for r in found]
     assert rows == [(1, 40, 0, 0), (8, 40, 0, 0)]
+    # The server's own account: one row per execution when requests come one at a time.
+    assert found[0]["batch"] == 1.0 and found[1]["batch"] >= 1.0
+    assert all(r["compute_ms"] > 0 and r["queue_ms"] >= 0 for r in found)
+    with bladesmith.client(url, "net") as over_http:
+        with bladesmith.client(f"grpc://127.0.0.1:{grpc}", "net") as over_grpc:
+            totals = over_http.statistics()
+            assert over_grpc.statistics() == totals
+    assert totals.requests >= len(requests) + 2 * 40 and totals.executions <= totals.requests
     # The same through shared memory: answered alike, and every region freed after.
     assert main([*arguments[:-2], "--shared-memory"]) == 0
     client = triton.InferenceServerClient(url)

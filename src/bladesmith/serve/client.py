@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -145,6 +146,14 @@ class Client:
                 finally:
                     shared_memory.destroy_shared_memory_region(region)
 
+    def statistics(self) -> ServerStatistics:
+        """The server's running totals for this model (Triton's statistics extension)."""
+        if self.grpc:
+            found = self._call(self._client.get_inference_statistics, self.model, as_json=True)
+        else:
+            found = self._call(self._client.get_inference_statistics, self.model)
+        return ServerStatistics.from_triton(found["model_stats"])
+
     def ready(self) -> bool:
         return bool(self._client.is_model_ready(self.model))
 
@@ -156,6 +165,46 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class ServerStatistics:
+    """A served model's totals since the server started, summed over its versions:
+    requests answered, model executions (batches), and nanoseconds spent by requests
+    waiting in the queue and by executions computing (inputs, model, outputs)."""
+
+    requests: int = 0
+    executions: int = 0
+    queue_ns: int = 0
+    compute_ns: int = 0
+
+    @classmethod
+    def from_triton(cls, model_stats: list[dict]) -> ServerStatistics:
+        total = cls()
+        for stats in model_stats:  # gRPC's JSON writes 64-bit counts as strings
+            queue = stats.get("inference_stats", {}).get("queue", {})
+            # Per batch size, each execution's compute counted once (the per-request
+            # totals count a batch's once per request).
+            compute = sum(
+                int(batch.get(part, {}).get("ns", 0))
+                for batch in stats.get("batch_stats", [])
+                for part in ("compute_input", "compute_infer", "compute_output")
+            )
+            total = cls(
+                total.requests + int(stats.get("inference_count", 0)),
+                total.executions + int(stats.get("execution_count", 0)),
+                total.queue_ns + int(queue.get("ns", 0)),
+                total.compute_ns + compute,
+            )
+        return total
+
+    def __sub__(self, earlier: ServerStatistics) -> ServerStatistics:
+        return ServerStatistics(
+            self.requests - earlier.requests,
+            self.executions - earlier.executions,
+            self.queue_ns - earlier.queue_ns,
+            self.compute_ns - earlier.compute_ns,
+        )
 
 
 def client(url: str, model: str, *, timeout: float = 120.0) -> Client:

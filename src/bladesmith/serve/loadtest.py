@@ -54,6 +54,11 @@ class LoadRow:
     p50_ms: float
     p90_ms: float
     p99_ms: float
+    # What the server says it did meanwhile (warm-up requests included): rows per model
+    # execution, each request's wait in its queue, each execution's compute time.
+    batch: float
+    queue_ms: float
+    compute_ms: float
 
 
 def loadtest(
@@ -81,7 +86,7 @@ def loadtest(
         variants = _slot_variants(probe, rows)
         with probe.shared_inputs(rows) if shared_memory else nullcontext() as regions:
             job = _Job(url, model, count, seed, regions, references, variants, probe.compute_dtype)
-            return [_run(job, rows, level, requests, processes) for level in concurrency]
+            return [_run(job, rows, level, requests, processes, probe) for level in concurrency]
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,8 @@ class _Job:
     compute_dtype: str | None
 
 
-def _run(job, rows, concurrency, requests, processes) -> LoadRow:
+def _run(job, rows, concurrency, requests, processes, probe: Client) -> LoadRow:
+    before = probe.statistics()
     workers = min(processes, concurrency)
     shares = [list(range(requests))[k::workers] for k in range(workers)]
     threads = [len(range(concurrency)[k::workers]) for k in range(workers)]
@@ -111,6 +117,8 @@ def _run(job, rows, concurrency, requests, processes) -> LoadRow:
     seconds = max(end for *_, end in results) - min(start for _, start, _ in results)
     latencies = np.array([end - start for _, start, end in results]) * 1e3
     p50, p90, p99 = np.percentile(latencies, [50, 90, 99])
+    served = probe.statistics() - before
+    executions, served_requests = max(served.executions, 1), max(served.requests, 1)
     return LoadRow(
         concurrency=concurrency,
         requests=requests,
@@ -122,6 +130,9 @@ def _run(job, rows, concurrency, requests, processes) -> LoadRow:
         p50_ms=round(float(p50), 2),
         p90_ms=round(float(p90), 2),
         p99_ms=round(float(p99), 2),
+        batch=round(served.requests / executions, 2),
+        queue_ms=round(served.queue_ns / served_requests / 1e6, 2),
+        compute_ms=round(served.compute_ns / executions / 1e6, 2),
     )
 
 
@@ -329,13 +340,15 @@ def _only_model(url: str) -> str:
 def render(rows: list[LoadRow]) -> str:
     header = (
         f"{'concurrency':>11} {'requests':>8} {'answered':>8} {'wrong':>5} {'failed':>6} "
-        f"{'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}"
+        f"{'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} | server: {'batch':>6} "
+        f"{'queue ms':>8} {'compute ms':>10}"
     )
     lines = [header]
     for row in rows:
         lines.append(
             f"{row.concurrency:>11} {row.requests:>8} {row.answered:>8} {row.wrong:>5} "
             f"{row.failed:>6} {row.throughput:>9.1f} {row.p50_ms:>8.2f} {row.p90_ms:>8.2f} "
-            f"{row.p99_ms:>8.2f}"
+            f"{row.p99_ms:>8.2f} |         {row.batch:>6.2f} {row.queue_ms:>8.2f} "
+            f"{row.compute_ms:>10.2f}"
         )
     return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""Where a two-stage detector's batch-1 time goes on the GPU, stage by stage (no gate):
+
+    python benchmarks/probe_rcnn.py --family faster_rcnn --passes fixed_shape,fp16,channels_last
+
+The family's fixed-shape pipeline (480x640, bench_families.py's realistic load) with the
+passes named applied in order. Each stage is captured as a CUDA graph of its own and
+replayed (device time without launch overhead): the backbone, the RPN head, the whole
+proposal step, RoI pooling, the box head, the whole detection step and the whole call.
+Then each kernel's device time in one uncaptured call, by the op that launched it, the
+top 30 printed (all into $OUT/rcnn_kernels.txt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_families import BUILDERS
+from bladesmith.config import Config
+from bladesmith.models.images import sample_images
+from bladesmith.passes import Candidate, Context
+from bladesmith.passes.registry import create_all
+
+SIZE = (480, 640)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--family", default="faster_rcnn", choices=["faster_rcnn", "mask_rcnn"])
+    parser.add_argument("--passes", default="fixed_shape,fp16,channels_last,conv_fusion")
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    model = BUILDERS[args.family](SIZE).to(dev).eval()
+    images = list(sample_images(1, SIZE, device=dev))
+    ctx = Context(
+        device=dev, level="o1", config=Config(), example_args=(images,), test_args=[(images,)]
+    )
+    cand = Candidate(module=model, device=dev)
+    passes = {p.name: p for p in create_all()}
+    for name in args.passes.split(","):
+        cand = passes[name].apply(cand, ctx)
+        ctx.kept.append(name)
+    pipe = cand.module
+    while not hasattr(pipe, "proposals"):
+        pipe = pipe.module
+    dtype = next(pipe.backbone.parameters()).dtype
+    x = images[0].unsqueeze(0).to(dtype)
+    if "channels_last" in args.passes:
+        x = x.contiguous(memory_format=torch.channels_last)
+    print(f"{args.family} {args.passes}: dtype {dtype}", flush=True)
+    with torch.no_grad():
+        feats = pipe.features(x)
+        boxes, valid = pipe.proposals(feats)
+        pooled = pipe.pool("box_roi_pool", feats, boxes)
+        stages = {
+            "backbone": lambda: pipe.features(x),
+            "rpn head": lambda: pipe.rpn_head(list(feats.values())),
+            "proposals (with rpn head)": lambda: pipe.proposals(feats),
+            "box roi pool": lambda: pipe.pool("box_roi_pool", feats, boxes),
+            "box head + predictor": lambda: pipe.box_predictor(pipe.box_head(pooled)),
+            "detect (pool, head, nms)": lambda: pipe.detect(feats, boxes, valid),
+            "whole pipeline": lambda: pipe(x),
+        }
+        for name, fn in stages.items():
+            print(f"{name:<28} {replay_us(fn):9.1f} us", flush=True)
+        kernels(lambda: pipe(x))
+
+
+def replay_us(fn, iters: int = 50) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e3
+
+
+def op_of(event):
+    while event is not None and not event.name.startswith(("aten::", "bladesmith::", "torchvision::")):
+        event = event.cpu_parent
+    return event
+
+
+def kernels(fn, calls: int = 5) -> None:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows: dict[tuple, float] = {}
+    for event in prof.events():
+        for k in event.kernels:
+            op = op_of(event)
+            key = (k.name[:60], op.name if op else "-", str(op.input_shapes)[:140] if op else "")
+            rows[key] = rows.get(key, 0.0) + k.duration / calls
+    ranked = sorted(rows.items(), key=lambda r: -r[1])
+    print(f"uncaptured call: {sum(rows.values()):.1f} us of kernels, {len(ranked)} kinds")
+    out = os.environ.get("OUT", "/tmp")
+    with open(f"{out}/rcnn_kernels.txt", "w") as f:
+        for (kernel, op, shapes), us in ranked:
+            f.write(f"{us:8.1f}  {kernel}  | {op} {shapes}\n")
+    for (kernel, op, shapes), us in ranked[:30]:
+        print(f"{us:8.1f}  {kernel[:45]}  | {op} {shapes[:100]}")
+
+
+if __name__ == "__main__":
+    main()
