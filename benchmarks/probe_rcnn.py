@@ -90,8 +90,11 @@ def replay_us(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters * 1e3
 
 
+OPERATORS = ("aten::", "bladesmith::", "torchvision::")
+
+
 def op_of(event):
-    while event is not None and not event.name.startswith(("aten::", "bladesmith::", "torchvision::")):
+    while event is not None and not event.name.startswith(OPERATORS):
         event = event.cpu_parent
     return event
 
@@ -100,7 +103,8 @@ def kernels(fn, calls: int = 5) -> None:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities, record_shapes=True) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()

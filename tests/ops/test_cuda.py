@@ -347,13 +347,25 @@ def many_nms_inputs(seed, batch, num_boxes, num_labels):
     return torch.cat([corner, corner + extent], -1), (scores + 1) / (num_boxes + 1), labels
 
 
-# Sort paths: one tile (<= 1024), tiles merged (<= 8192), CUB's radix sort (larger).
-@pytest.mark.parametrize("num_boxes", [1024, 1025, 5000, 8192, 8193, 12000])
-def test_nms_large(num_boxes):
-    inputs = many_nms_inputs(18, 2, num_boxes, 3)
+# Sort paths: one tile (<= 1024), tiles merged (<= 8192), CUB's device-wide radix sort
+# (larger; one image alone, or several sorted together then apart by image).
+@pytest.mark.parametrize("batch", [1, 2, 5])
+@pytest.mark.parametrize("num_boxes", [1024, 1025, 5000, 8192, 8193, 12000, 90000])
+def test_nms_large(num_boxes, batch):
+    inputs = many_nms_inputs(18, batch, num_boxes, 3)
     for threshold, max_detections in ((0.3, 300), (0.7, num_boxes)):
         ours = batched_nms(*(t.to(CUDA) for t in inputs), threshold, max_detections)
         assert_equal(ours, batched_nms(*inputs, threshold, max_detections))
+
+
+def test_nms_sorts_equal_scores_of_several_large_images_apart():
+    # Every score equal: the order is the slots' in each image, whatever the other images
+    # hold (the image sort must be stable and must not mix images).
+    boxes, _, labels = many_nms_inputs(24, 3, 20000, 5)
+    scores = torch.full(labels.shape, 0.5)
+    scores[1, ::7] = 0.75
+    ours = batched_nms(boxes.to(CUDA), scores.to(CUDA), labels.to(CUDA), 0.5, 2000)
+    assert_equal(ours, batched_nms(boxes, scores, labels, 0.5, 2000))
 
 
 def test_nms_suppression_by_detections_past_the_kept_cache():

@@ -9,8 +9,8 @@ loop at a box-dependent size. Here:
 - proposals: per-level top-k of the objectness, decode, clip; small or low-scoring boxes
   become padding; class-agnostic NMS per image with the level as the label, through
   ``torch.ops.bladesmith.batched_nms``, keeps a fixed ``post_nms_top_n`` slots;
-- ``MultiScaleRoIAlign`` on those slots: every level pools every box and each box keeps
-  its own level's result (the level assignment is torchvision's ``LevelMapper``);
+- ``MultiScaleRoIAlign`` on those slots: each box's samples gathered from its own level
+  (the level assignment is torchvision's ``LevelMapper``);
 - box head, per-class decode and clip, padding for the background, low scores, small
   boxes and padded proposals, then ``batched_nms``;
 - Mask R-CNN: the mask head on the D detection slots, and masks pasted as torchvision's
@@ -29,6 +29,7 @@ from torch import nn
 from bladesmith.families import calibration
 from bladesmith.families import detection_steps as steps
 from bladesmith.families.base import DetectionFamily
+from bladesmith.families.multilevel_roi_align import multilevel_roi_align
 from bladesmith.ops import load_library, roi_align
 
 DETECTION_OUTPUTS = ("boxes", "scores", "labels", "num_detections")
@@ -150,10 +151,11 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
 
     def pool_rois(self, pooler: str, features: dict[str, torch.Tensor], rois: torch.Tensor):
         """``MultiScaleRoIAlign`` (the attribute ``pooler``) on rois [N, 5] (image index,
-        box): [N, C, h, w]. On a GPU every level pools every box (fixed shapes, one CUDA
-        graph) and each box keeps its own level's result; on a CPU, where nothing is
-        captured, each level pools only its own boxes, as torchvision does (a quarter of
-        the work on four levels)."""
+        box): [N, C, h, w]. On a GPU, with fixed shapes (one CUDA graph), each box gathers
+        its samples from its own level (``multilevel_roi_align``; where the sampling
+        ratio is adaptive, every level pools every box and each box keeps its own
+        level's result); on a CPU, where nothing is captured, each level pools only its
+        own boxes, as torchvision does."""
         names, scales, mapper = self.pool_levels[pooler]
         levels = [features[name] for name in names]
         pooler = getattr(self, pooler)
@@ -169,6 +171,8 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
                 out = roi_align(feature, rois[mine].to(feature.dtype), size, scale, ratio)
                 pooled.index_copy_(0, mine, out.to(pooled.dtype))  # in place, as torchvision
             return pooled
+        if ratio > 0:
+            return multilevel_roi_align(levels, rois, level_of, scales, size, ratio)
         level_of = level_of[:, None, None, None]
         pooled = None
         for level, (feature, scale) in enumerate(zip(levels, scales)):
