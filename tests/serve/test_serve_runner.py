@@ -10,6 +10,7 @@ import torch
 from serve_testing import NET_BATCH, QUICK, tiny_net
 
 import bladesmith
+from bladesmith.artifact import OptimizedModule
 from bladesmith.errors import BladesmithError
 from bladesmith.serve.signature import BucketRunner, signature_of
 from engine_testing import cuda
@@ -45,6 +46,80 @@ def test_requests_are_cut_into_buckets_padded_and_given_back_their_own_rows(net_
         np.testing.assert_allclose(answer["output_0"], scores, rtol=1e-4, atol=1e-5)
         np.testing.assert_array_equal(answer["output_1"], best.reshape(-1, 1))
         assert answer["output_1"].dtype == np.int64
+
+
+def wrapped(loaded, call) -> OptimizedModule:
+    """``loaded`` (a net artifact) with its call replaced by ``call(loaded, x)``."""
+    return OptimizedModule(lambda x: call(loaded, x), device="cpu", spec=loaded.spec)
+
+
+def test_rows_run_in_full_buckets_then_the_smallest_bucket_that_holds_the_rest(
+    net_artifacts, capsys
+):
+    ran = []
+
+    def recorded(loaded, x):
+        ran.append(x.shape[0])
+        return loaded(x)
+
+    runner = BucketRunner(wrapped(bladesmith.load(net_artifacts[".pt"]), recorded))
+    assert runner.buckets == (1, 2, NET_BATCH)
+    assert capsys.readouterr().err == "bladesmith serve: batch buckets 1, 2, 4\n"
+    for count, buckets in [(1, [1]), (2, [2]), (3, [4]), (4, [4]), (6, [4, 2]), (9, [4, 4, 1])]:
+        x = rows(count, count)
+        requests = [[x[:1]], [x[1:]]] if count > 1 else [[x]]  # two requests share a bucket
+        ran.clear()
+        answers = runner.answer(requests)
+        assert ran == buckets, count
+        for row, scores, best in zip(
+            x,
+            np.concatenate([answer["output_0"] for answer in answers]),
+            np.concatenate([answer["output_1"] for answer in answers]),
+        ):
+            [alone] = runner.answer([[row[None]]])
+            np.testing.assert_allclose(scores, alone["output_0"][0], rtol=1e-5, atol=1e-6)
+            assert best == alone["output_1"][0]
+
+
+def _raising(loaded, x):
+    if x.shape[0] != NET_BATCH:
+        raise RuntimeError(f"built for batch {NET_BATCH}, got {x.shape[0]}")
+    return loaded(x)
+
+
+def _full_rows(loaded, x):  # pads to its batch itself: NET_BATCH rows whatever it gets
+    return loaded(torch.cat([x, x.new_zeros(NET_BATCH - len(x), *x.shape[1:])]))
+
+
+@pytest.mark.parametrize(
+    ("call", "why"),
+    [
+        (_raising, "not 1: RuntimeError: built for batch 4, got 1; not 2: RuntimeError"),
+        (_full_rows, "not 1: BladesmithError: output 'output_0' has shape [4, 5] at batch 1;"),
+    ],
+)
+def test_an_artifact_that_runs_only_at_its_batch_keeps_one_bucket(net_artifacts, capsys, call, why):
+    runner = BucketRunner(wrapped(bladesmith.load(net_artifacts[".pt"]), call))
+    assert runner.buckets == (NET_BATCH,)
+    [said] = capsys.readouterr().err.splitlines()
+    assert said.startswith("bladesmith serve: batch buckets 4; ") and why in said
+    x = rows(5, 30)
+    answers = runner.answer([[x[:1]], [x[1:]]])
+    for part, answer in zip((x[:1], x[1:]), answers):
+        np.testing.assert_allclose(answer["output_0"], expected(part)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_bucket_that_answers_otherwise_than_the_full_batch_is_dropped(net_artifacts, capsys):
+    def drifting(loaded, x):  # right at batches 1 and 4, off by 1e-3 at batch 2
+        scores, best = loaded(x)
+        return (scores + 1e-3 if x.shape[0] == 2 else scores), best
+
+    runner = BucketRunner(wrapped(bladesmith.load(net_artifacts[".pt"]), drifting))
+    assert runner.buckets == (1, NET_BATCH)
+    assert "; not 2: answers differ from batch 4's" in capsys.readouterr().err
+    x = rows(2, 31)
+    [answer] = runner.answer([[x]])  # in the bucket of 4
+    np.testing.assert_allclose(answer["output_0"], expected(x)[0], rtol=1e-4, atol=1e-5)
 
 
 def test_a_bad_request_is_refused_alone(net_artifacts):
@@ -132,7 +207,7 @@ def test_outputs_without_a_batch_dimension_cannot_be_served(tmp_path):
 
 
 def test_loadtest_counts_an_answer_given_to_another_request_as_wrong(net_artifacts):
-    from bladesmith.serve.loadtest import comparison
+    from bladesmith.serve.answers import comparison
 
     _same = comparison(None)
     runner = BucketRunner(bladesmith.load(net_artifacts[".pt"]))
@@ -152,6 +227,7 @@ def test_on_a_gpu_each_runner_replays_its_own_cuda_graph(tmp_path):
     loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt2"))
     first, second = BucketRunner(loaded), BucketRunner(loaded)
     assert isinstance(first.run, CudaGraphRunner) and first.run is not second.run
+    assert first.buckets == (NET_BATCH,)  # an AOTInductor package is not tried at others
     a, b = rows(3, 20), rows(6, 21)
     for _ in range(3):  # interleaved: neither overwrites the other's buffers
         answer_a, answer_b = first.answer([[a]])[0], second.answer([[b]])[0]
@@ -160,10 +236,26 @@ def test_on_a_gpu_each_runner_replays_its_own_cuda_graph(tmp_path):
         np.testing.assert_allclose(answer_b["output_0"], expected(b)[0], rtol=1e-2, atol=1e-2)
 
 
+@cuda
+def test_on_a_gpu_each_bucket_replays_its_own_cuda_graph(tmp_path):
+    x = torch.randn(NET_BATCH, 3, 8, 8, device="cuda")
+    optimized, _, _ = bladesmith.optimize(
+        tiny_net().cuda(), device="cuda", test_data=[(x,)], config=QUICK, passes=[]
+    )
+    runner = BucketRunner(bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt")))
+    assert runner.buckets == (1, 2, NET_BATCH)
+    assert len(runner.run.graphs) == 3  # one per bucket, each with its own static buffers
+    for count in (1, 2, 3, 7):
+        x = rows(count, 50 + count)
+        [answer] = runner.answer([[x]])
+        np.testing.assert_allclose(answer["output_0"], expected(x)[0], rtol=1e-2, atol=1e-2)
+    assert len(runner.run.graphs) == 3
+
+
 def test_loadtest_judges_detections_as_the_gate_does_and_still_catches_a_mix_up(
     detector_artifact,
 ):
-    from bladesmith.serve.loadtest import comparison
+    from bladesmith.serve.answers import comparison
 
     _same = comparison(None)
     path, photos = detector_artifact
@@ -186,7 +278,7 @@ def test_loadtest_judges_detections_as_the_gate_does_and_still_catches_a_mix_up(
 
 
 def test_loadtest_excuses_what_another_slot_flips_and_nothing_else(detector_artifact):
-    from bladesmith.serve.loadtest import comparison
+    from bladesmith.serve.answers import comparison
 
     same = comparison(None)
     path, photos = detector_artifact

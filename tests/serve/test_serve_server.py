@@ -163,6 +163,9 @@ def test_serve_answers_concurrent_requests_refuses_bad_ones_and_stops_cleanly(se
     client.close()
     assert not [name for name in os.listdir("/dev/shm") if name.startswith("bladesmith-")]
 
+    # Each instance says its buckets: the net runs at any batch up to its own.
+    assert (tmp_path / "serve.log").read_text().count("batch buckets 1, 2, 4\n") == 2
+
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as page:
         text = page.read().decode()
     success = next(

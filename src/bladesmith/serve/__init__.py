@@ -1,8 +1,9 @@
 """Serving bladesmith artifacts on Triton Inference Server.
 
 ``serve(artifact)`` runs the server (the one bundled with ``nvidia-pytriton``) on a
-Python-backend repository of the artifact: dynamic batching into the artifact's batch,
-each model instance a process with its own runner. ``client(url, model)`` answers
+Python-backend repository of the artifact: dynamic batching up to the artifact's batch,
+run in buckets of it and of smaller powers of two, each model instance a process with
+its own runner. ``client(url, model)`` answers
 images with detections; ``loadtest`` times a server; ``write_repository`` writes a
 repository for a standalone server (``bladesmith export triton``).
 """
@@ -45,8 +46,10 @@ def serve(
     model ``name`` (default: the file's stem) on HTTP, gRPC and Prometheus-metrics ports.
 
     Requests are batched dynamically up to ``max_batch`` rows (default: the artifact's
-    batch), waiting at most ``max_queue_delay_us`` for more, and run in buckets of the
-    artifact's batch (the last padded). ``instances`` model instances run side by side,
+    batch), waiting at most ``max_queue_delay_us`` for more, and run in full buckets of
+    the artifact's batch, the rest in the smallest bucket that holds it (a power of two
+    below the batch where the artifact runs at it and answers alike; padded).
+    ``instances`` model instances run side by side,
     each in its own process; ``device`` is ``cpu``, ``cuda`` or ``cuda:0,1`` (default: the
     artifact's). ``image_dtype="uint8"`` serves a detector's images as uint8 (a quarter of
     the bytes; made float32 in [0, 1] on the device). ``block``: serve until SIGINT or

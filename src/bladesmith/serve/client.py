@@ -18,6 +18,7 @@ import numpy as np
 
 from bladesmith.errors import BladesmithError
 from bladesmith.families.base import DetectionFamily
+from bladesmith.serve.answers import cut_padding
 from bladesmith.serve.signature import INPUT_DTYPE
 
 
@@ -211,13 +212,6 @@ def client(url: str, model: str, *, timeout: float = 120.0) -> Client:
     """A client for ``model`` served at ``url`` (``host:port`` for HTTP,
     ``grpc://host:port`` for gRPC); call it with images."""
     return Client(url, model, timeout=timeout)
-
-
-def cut_padding(row: dict) -> dict:
-    """One image's padded detections (boxes, scores, labels, num_detections) cut to its
-    count: torchvision's dict."""
-    count = int(row["num_detections"].reshape(-1)[0])
-    return {name: row[name][:count] for name in ("boxes", "scores", "labels")}
 
 
 def _as_served(rows: np.ndarray, datatype: str) -> np.ndarray:

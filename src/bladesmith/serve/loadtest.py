@@ -33,10 +33,8 @@ from queue import Empty
 import numpy as np
 
 from bladesmith.errors import BladesmithError
-from bladesmith.families.base import DetectionFamily
-from bladesmith.serve.client import Client, cut_padding
-from bladesmith.verify import compare_detections
-from bladesmith.verify.tolerance import default_tolerance, detection_score_tolerance
+from bladesmith.serve.answers import comparison
+from bladesmith.serve.client import Client
 
 DISTINCT_ROWS = 64  # rows cycled through; enough that a swapped answer shows
 WORKER_TIMEOUT_S = 600.0  # a load-generating process that has not reported by then failed
@@ -229,34 +227,6 @@ def _judged(job: _Job, results: list[tuple]) -> list[tuple]:
     return judged
 
 
-def comparison(compute_dtype: str | None):
-    """``same(answer, reference, variants=())``: whether a served answer equals the
-    reference within the rounding of ``compute_dtype`` (the dtype the model computes
-    in, e.g. "float16"; None: the outputs' own); a detector's ``variants`` (the same
-    row's answers from other slots) excuse the detections that the slot alone flips."""
-    import torch
-
-    compute = getattr(torch, compute_dtype or "", None)
-    compute = compute if isinstance(compute, torch.dtype) else None
-
-    def same(answer: dict, reference: dict, variants=()) -> bool:
-        if answer.keys() != reference.keys():
-            return False
-        if any(answer[name].shape != expected.shape for name, expected in reference.items()):
-            return False
-        if tuple(reference)[:4] == DetectionFamily.output_names:
-            score_atol = detection_score_tolerance(compute) if compute else None
-            return compare_detections(
-                _detections(reference),
-                _detections(answer),
-                score_atol=score_atol,
-                noisy=[_detections(variant) for variant in variants],
-            ).passed
-        return all(_close(answer[name], expected, compute) for name, expected in reference.items())
-
-    return same
-
-
 def _slot_variants(client: Client, rows: list[list[np.ndarray]]) -> list[list[dict]]:
     """A detector's answer to each row from two other slots: the rows sent in full
     batches in order and reversed (row i in slot i mod batch, then batch - 1 - that).
@@ -292,32 +262,6 @@ def _distinct_rows(client: Client, count: int, seed: int) -> list[list[np.ndarra
                 raise BladesmithError(f"loadtest: input type {datatype} is not supported")
         requests.append(arrays)
     return requests
-
-
-def _close(got: np.ndarray, expected: np.ndarray, compute) -> bool:
-    if not np.issubdtype(expected.dtype, np.floating):
-        return np.array_equal(got, expected)
-    import torch
-
-    # The coarser of the output's dtype and the one the model computes in.
-    dtypes = [torch.from_numpy(np.zeros(0, expected.dtype)).dtype, *([compute] if compute else [])]
-    rtol, atol = max(default_tolerance(dtype) for dtype in dtypes)
-    return np.allclose(got, expected, rtol=rtol, atol=atol)
-
-
-def _detections(answer: dict) -> list[dict]:
-    """A served answer's padded detections, one dict of tensors per row, cut as
-    ``bladesmith.client`` cuts them (``cut_padding``)."""
-    import torch
-
-    rows = len(answer["num_detections"])
-    per_row = [
-        cut_padding({name: value[row] for name, value in answer.items()}) for row in range(rows)
-    ]
-    # np.array: a writable copy (tritonclient's arrays are read-only).
-    return [
-        {name: torch.from_numpy(np.array(value)) for name, value in row.items()} for row in per_row
-    ]
 
 
 def _only_model(url: str) -> str:

@@ -6,10 +6,11 @@
     REPO/NAME/1/model.onnx                       (onnxruntime: standard ONNX)
     REPO/README.md                               (how to start tritonserver on it)
 
-The Python backend pads requests to the artifact's batch (the bucket) and batches them
-dynamically. The native backends hand the model whatever batch Triton forms, and a
-bladesmith artifact is fixed to the batch it was built for, so their configs declare that
-exact shape (max_batch_size 0) and clients send whole batches.
+The Python backend batches requests dynamically and runs them in buckets: the artifact's
+batch, and the powers of two below it where the artifact runs at them (padded). The
+native backends hand the model whatever batch Triton forms, and a bladesmith artifact is
+fixed to the batch it was built for, so their configs declare that exact shape
+(max_batch_size 0) and clients send whole batches.
 """
 
 from __future__ import annotations
@@ -330,7 +331,7 @@ def signature_from_config(config_text: str) -> Signature:
 
 _PYTHON_README = """# Triton model repository (Python backend)
 
-Any bladesmith artifact, batched dynamically into the artifact's batch size. The backend
+Any bladesmith artifact, batched dynamically up to the artifact's batch size. The backend
 runs the model with the Python environment whose interpreter is first on PATH, which must
 have bladesmith installed (pip install 'bladesmith[serve]'); this one was written by
 {python}:

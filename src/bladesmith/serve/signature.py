@@ -1,10 +1,13 @@
 """What a served artifact takes and returns, per request row, and how rows are run.
 
-A saved artifact is fixed to the shapes it was optimized for, batch included: that batch
-is the bucket. Requests are stacked, cut into buckets, the last one padded with zeros,
-run, and each request gets back its own rows. A model of a family (a detector) is served
-in the family's padded form (``Family.output_names``: boxes, scores, labels,
-num_detections), one fixed shape whatever it finds.
+A saved artifact is optimized for fixed shapes, batch included: that batch is the
+largest bucket. The powers of two below it are smaller buckets where the artifact runs
+at them and answers as it does at its own batch (a TorchScript file often does; an
+AOTInductor package or an ONNX file with a fixed batch does not). Requests are stacked
+and cut into full buckets of the largest; the rows left over run in the smallest bucket
+that holds them, padded with zeros; each request gets back its own rows. A model of a
+family (a detector) is served in the family's padded form (``Family.output_names``:
+boxes, scores, labels, num_detections), one fixed shape whatever it finds.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from bladesmith.errors import BladesmithError
 from bladesmith.families.base import DetectionFamily
+from bladesmith.serve.answers import comparison
 from bladesmith.spec import OUTPUT_AS_MODEL
 
 FAMILY_INPUT = "images"  # a family's pipeline takes one batch of images
@@ -132,9 +136,11 @@ def module_runner(module):
 
 
 class BucketRunner:
-    """Runs requests through one loaded artifact, in buckets of its batch size. One per
-    model instance. On a GPU the bucket's call is replayed from a CUDA graph whose static
-    buffers belong to this runner alone; calls are serialised (a lock) around them."""
+    """Runs requests through one loaded artifact, in buckets (``buckets``: the batch
+    sizes it runs at, the artifact's own the largest). One per model instance. Each
+    bucket has its own staging buffers; on a GPU its call is replayed from its own CUDA
+    graph, whose static buffers belong to this runner alone. Calls are serialised (a
+    lock) around them."""
 
     def __init__(self, module, signature: Signature | None = None, image_dtype: str = "float32"):
         self.signature = signature or signature_of(module, image_dtype)
@@ -142,16 +148,17 @@ class BucketRunner:
         self.run = module_runner(module)
         if self.device.type == "cuda":
             self.run = _graphed(self.run, self.device, self.signature)
-        # One bucket of each input, filled in place by each call (pinned on a GPU, so
-        # that the copy to it is one transfer); the lock keeps calls from sharing it.
-        pinned = self.device.type == "cuda"
-        self._staging = [
-            torch.from_numpy(np.zeros((self.signature.bucket, *spec.dims), spec.dtype))
-            for spec in self.signature.inputs
-        ]
-        if pinned:
-            self._staging = [staging.pin_memory() for staging in self._staging]
         self._lock = threading.Lock()
+        # Per bucket, one buffer of each input, filled in place by each call (pinned on
+        # a GPU, so that the copy to it is one transfer); the lock keeps calls from
+        # sharing them.
+        self._staging = {self.signature.bucket: self._new_staging(self.signature.bucket)}
+        dropped = self._add_smaller_buckets(module)
+        print(f"bladesmith serve: {_buckets_said(self.buckets, dropped)}", file=sys.stderr)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return tuple(sorted(self._staging))
 
     def answer(self, requests: list[list[np.ndarray]]) -> list[dict[str, np.ndarray] | str]:
         """For each request (its input arrays, rows first): its outputs by name, or the
@@ -164,7 +171,7 @@ class BucketRunner:
         try:
             outputs = self._run_rows([requests[i] for i in good])
         except Exception as error:  # noqa: BLE001 - the client gets the reason, the server lives
-            message = f"the model failed: {type(error).__name__}: {error}".splitlines()[0]
+            message = f"the model failed: {_reason(error)}"
             for i in good:
                 answers[i] = message
             return answers
@@ -178,37 +185,128 @@ class BucketRunner:
         return answers
 
     def _run_rows(self, requests: list[list[np.ndarray]]) -> list[np.ndarray]:
-        """The requests' rows, in order, run a bucket at a time: each bucket's rows are
-        copied into the staging buffers (the rest zeroed) and run."""
+        """The requests' rows, in order, run in full buckets of the largest size, and the
+        rows left over in the smallest bucket that holds them."""
         pieces = []
-        staged = [staging.numpy() for staging in self._staging]
-        for bucket in _buckets(requests, self.signature.bucket):
+        for blocks in _buckets(requests, self.signature.bucket):
+            rows = sum(block[0].shape[0] for block in blocks)
+            size = min(size for size in self._staging if size >= rows)
             with self._lock:
-                filled = self._stage(bucket)
-                flat = [
-                    value[:filled] for value in _flat_outputs(self.run, self._staging, self.device)
-                ]
-                # An output may view the staging buffers (a reshape of the input, on a
-                # CPU): copied before the next bucket overwrites them.
-                pieces.append([_own(value, staged) for value in flat])
+                pieces.append(self._run_bucket(size, blocks))
         outputs = [np.concatenate(column) for column in zip(*pieces)]
         return [
             output.reshape(-1, 1) if spec.scalar else output
             for spec, output in zip(self.signature.outputs, outputs)
         ]
 
-    def _stage(self, bucket: list[list[np.ndarray]]) -> int:
-        """Copy one bucket's row blocks (per block, one array per input) into the staging
-        buffers; returns the rows filled."""
-        filled = 0
-        for block in bucket:
-            count = block[0].shape[0]
-            for staging, array in zip(self._staging, block):
-                staging.numpy()[filled : filled + count] = array
-            filled += count
-        for staging in self._staging:
-            staging.numpy()[filled:] = 0
-        return filled
+    def _run_bucket(self, size: int, blocks: list[list[np.ndarray]]) -> list[np.ndarray]:
+        """Blocks of rows copied into bucket ``size``'s staging buffers (the rest zeroed)
+        and run; the outputs' filled rows."""
+        staging = self._staging[size]
+        filled = _stage(staging, blocks)
+        flat = _flat_outputs(self.run, staging, self.device)
+        for spec, value in zip(self.signature.outputs, flat):
+            if value.shape[:1] != (size,):
+                raise BladesmithError(
+                    f"output {spec.name!r} has shape {list(value.shape)} at batch {size}"
+                )
+        # An output may view the staging buffers (a reshape of the input, on a CPU):
+        # copied before the next call overwrites them.
+        staged = [buffer.numpy() for buffer in staging]
+        return [_own(value[:filled], staged) for value in flat]
+
+    def _new_staging(self, size: int) -> list[torch.Tensor]:
+        staging = [
+            torch.from_numpy(np.zeros((size, *spec.dims), spec.dtype))
+            for spec in self.signature.inputs
+        ]
+        return (
+            [buffer.pin_memory() for buffer in staging] if self.device.type == "cuda" else staging
+        )
+
+    def _add_smaller_buckets(self, module) -> dict[int, str]:
+        """Keep each power of two below the artifact's batch where the artifact runs and
+        answers seeded random rows as it answers them in the first slots of its own
+        batch (within the rounding of the dtype it computes in); why each other one was
+        not."""
+        full = self.signature.bucket
+        sizes, fixed = smaller_buckets(full), _only_at_its_batch(module)
+        if fixed or not sizes:
+            return dict.fromkeys(sizes, fixed)
+        generator = np.random.default_rng(0)
+        rows = [
+            random_rows(generator, spec.dtype, (full, *spec.dims)) for spec in self.signature.inputs
+        ]
+        reference = self._answer_rows(rows)
+        # The same rows in reverse order: what another slot alone changes, excused for a
+        # detector as the load test excuses it.
+        in_reverse = self._answer_rows([array[::-1] for array in rows])
+        variant = {name: value[::-1] for name, value in in_reverse.items()}
+        same = comparison(module.spec.dtype)
+
+        def why_not(size: int) -> str | None:
+            try:
+                answer = self._answer_rows([array[:size] for array in rows])
+            except Exception as error:  # noqa: BLE001 - it does not run at this batch
+                return _reason(error)
+            if same(answer, _head(reference, size), [_head(variant, size)]):
+                return None
+            return f"answers differ from batch {full}'s"
+
+        dropped = {}
+        for size in sizes:
+            self._staging[size] = self._new_staging(size)
+            why = why_not(size)
+            if why is not None:
+                dropped[size] = why
+                del self._staging[size]
+        return dropped
+
+    def _answer_rows(self, rows: list[np.ndarray]) -> dict[str, np.ndarray]:
+        """One request's outputs by name, run as any request's are."""
+        outputs = self._run_rows([rows])
+        return {spec.name: output for spec, output in zip(self.signature.outputs, outputs)}
+
+
+def smaller_buckets(batch: int) -> list[int]:
+    """The powers of two below ``batch``, in increasing order."""
+    return [1 << k for k in range(batch.bit_length()) if 1 << k < batch]
+
+
+def random_rows(generator: np.random.Generator, dtype: np.dtype, shape) -> np.ndarray:
+    """Random rows of a served input, like images: uint8 in [0, 255], else float32 in
+    [0, 1)."""
+    if dtype == np.uint8:
+        return generator.integers(0, 256, shape, dtype=np.uint8)
+    return generator.random(shape, dtype=np.float32)
+
+
+def _only_at_its_batch(module) -> str | None:
+    """Why the artifact is not tried at other batches, or None."""
+    # An AOTInductor package runs any input as the shapes it was compiled for (it checks
+    # them only under AOTI_RUNTIME_CHECK_INPUTS=1): given fewer rows, it reads past them.
+    if type(getattr(module, "_run", None)).__name__ == "AOTICompiledModel":
+        return "an AOTInductor package runs at its own batch only"
+    return None
+
+
+def _head(answer: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    return {name: value[:rows] for name, value in answer.items()}
+
+
+def _buckets_said(buckets: tuple[int, ...], dropped: dict[int, str]) -> str:
+    """One line: the buckets served, and for those dropped, why (alike reasons once)."""
+    said = f"batch buckets {', '.join(map(str, buckets))}"
+    reasons: dict[str, list[int]] = {}
+    for size, why in dropped.items():
+        reasons.setdefault(why, []).append(size)
+    for why, sizes in reasons.items():
+        said += f"; not {', '.join(map(str, sizes))}: {why}"
+    return said
+
+
+def _reason(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}".splitlines()[0]
 
 
 def _buckets(requests: list[list[np.ndarray]], size: int):
@@ -226,6 +324,20 @@ def _buckets(requests: list[list[np.ndarray]], size: int):
                 bucket, room = [], size
     if bucket:
         yield bucket
+
+
+def _stage(staging: list[torch.Tensor], blocks: list[list[np.ndarray]]) -> int:
+    """Copy blocks of rows (per block, one array per input) into a bucket's staging
+    buffers, zeroing the rest; returns the rows filled."""
+    filled = 0
+    for block in blocks:
+        count = block[0].shape[0]
+        for buffer, array in zip(staging, block):
+            buffer.numpy()[filled : filled + count] = array
+        filled += count
+    for buffer in staging:
+        buffer.numpy()[filled:] = 0
+    return filled
 
 
 def _own(value: np.ndarray, buffers: list[np.ndarray]) -> np.ndarray:
@@ -261,8 +373,9 @@ def _graphed(run, device: torch.device, signature: Signature):
         with torch.no_grad():
             graphed(*zeros)
     except RuntimeError as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(f"bladesmith serve: no CUDA graph for this artifact ({reason})", file=sys.stderr)
+        print(
+            f"bladesmith serve: no CUDA graph for this artifact ({_reason(error)})", file=sys.stderr
+        )
         return run
     return graphed
 

@@ -1,0 +1,79 @@
+"""Served answers compared with reference answers: whether an answer is its row's, within
+the rounding of the dtype the model computes in (the load test's judgement, and the
+runner's check of its smaller buckets).
+
+An answer is a dict of the served outputs by name, rows first. A detector's (the padded
+boxes, scores, labels and num_detections) is compared as ``optimize``'s gate compares
+detections, after its padding is cut as ``bladesmith.client`` cuts it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from bladesmith.families.base import DetectionFamily
+from bladesmith.verify import compare_detections
+from bladesmith.verify.tolerance import default_tolerance, detection_score_tolerance
+
+
+def comparison(compute_dtype: str | None):
+    """``same(answer, reference, variants=())``: whether a served answer equals the
+    reference within the rounding of ``compute_dtype`` (the dtype the model computes
+    in, e.g. "float16"; None: the outputs' own); a detector's ``variants`` (the same
+    rows' answers from other slots) excuse the detections that the slot alone flips."""
+    compute = getattr(torch, compute_dtype or "", None)
+    compute = compute if isinstance(compute, torch.dtype) else None
+
+    def same(answer: dict, reference: dict, variants=()) -> bool:
+        if not _same_form(answer, reference):
+            return False
+        if _detector(reference):
+            score_atol = detection_score_tolerance(compute) if compute else None
+            return compare_detections(
+                _detections(reference),
+                _detections(answer),
+                score_atol=score_atol,
+                noisy=[_detections(variant) for variant in variants],
+            ).passed
+        return all(_close(answer[name], expected, compute) for name, expected in reference.items())
+
+    return same
+
+
+def cut_padding(row: dict) -> dict:
+    """One image's padded detections (boxes, scores, labels, num_detections) cut to its
+    count: torchvision's dict."""
+    count = int(row["num_detections"].reshape(-1)[0])
+    return {name: row[name][:count] for name in ("boxes", "scores", "labels")}
+
+
+def _same_form(answer: dict, reference: dict) -> bool:
+    return answer.keys() == reference.keys() and all(
+        answer[name].shape == expected.shape for name, expected in reference.items()
+    )
+
+
+def _detector(answer: dict) -> bool:
+    return tuple(answer)[:4] == DetectionFamily.output_names
+
+
+def _close(got: np.ndarray, expected: np.ndarray, compute) -> bool:
+    if not np.issubdtype(expected.dtype, np.floating):
+        return np.array_equal(got, expected)
+    # The coarser of the output's dtype and the one the model computes in.
+    dtypes = [torch.from_numpy(np.zeros(0, expected.dtype)).dtype, *([compute] if compute else [])]
+    rtol, atol = max(default_tolerance(dtype) for dtype in dtypes)
+    return np.allclose(got, expected, rtol=rtol, atol=atol)
+
+
+def _detections(answer: dict) -> list[dict]:
+    """A served answer's padded detections, one dict of tensors per row, padding cut."""
+    rows = len(answer["num_detections"])
+    per_row = [
+        cut_padding({name: value[row] for name, value in answer.items()}) for row in range(rows)
+    ]
+    # np.array: a writable copy (tritonclient's arrays are read-only).
+    return [
+        {name: torch.from_numpy(np.array(value)) for name, value in row.items()} for row in per_row
+    ]
