@@ -11,10 +11,12 @@
 
 In-process: the loaded artifact called back to back on full batches of the size it was
 built for (its best throughput), one thread. Served: `bladesmith.serve` (Triton, dynamic
-batching into that batch size, ``--instances`` model instances), loaded by client threads
-sending one image per request at each concurrency, every answer checked against the
-server's answer for the same image alone (``bladesmith loadtest``; the threads spread
-over ``--client-processes`` processes, answers checked after the clock stops). The
+batching up to that batch size, run in buckets of it and of the powers of two below it
+where the artifact runs at them, ``--instances`` model instances), loaded by client
+threads sending one image per request at each concurrency, every answer checked against
+the server's answer for the same image alone (``bladesmith loadtest``: wrong answers,
+and of those the ones mixed up with another image's; the threads spread over
+``--client-processes`` processes, answers checked after the clock stops). The
 ratio is served images/s over in-process images/s. ``--shared-memory`` sends the images
 through system shared memory (the client's cost of sending them left out: what the
 server sustains).
@@ -119,7 +121,7 @@ def main() -> int:
         "--requests-at-1",
         type=int,
         default=200,
-        help="at concurrency 1 (default 200: each request waits for a whole bucket)",
+        help="at concurrency 1 (default 200: one request at a time is the slowest)",
     )
     parser.add_argument("--instances", type=int, default=1, help="model instances")
     parser.add_argument("--max-queue-delay-us", type=int, default=2000)
@@ -183,14 +185,15 @@ def main() -> int:
     )
     print(
         f"{'concurrency':>11} {'images/s':>10} {'vs in-proc':>10} {'p50 ms':>8} "
-        f"{'p90 ms':>8} {'p99 ms':>8} {'wrong':>5} {'failed':>6} {'batch':>6} "
-        f"{'queue ms':>8} {'compute ms':>10}"
+        f"{'p90 ms':>8} {'p99 ms':>8} {'wrong':>5} {'mixed up':>8} {'failed':>6} "
+        f"{'batch':>6} {'queue ms':>8} {'compute ms':>10}"
     )
     for row in rows:
         print(
             f"{row.concurrency:>11} {row.throughput:>10,.1f} {row.throughput / in_process:>10.2f} "
             f"{row.p50_ms:>8.2f} {row.p90_ms:>8.2f} {row.p99_ms:>8.2f} {row.wrong:>5} "
-            f"{row.failed:>6} {row.batch:>6.2f} {row.queue_ms:>8.2f} {row.compute_ms:>10.2f}"
+            f"{row.mixed_up:>8} {row.failed:>6} {row.batch:>6.2f} {row.queue_ms:>8.2f} "
+            f"{row.compute_ms:>10.2f}"
         )
     if args.json:
         result = {

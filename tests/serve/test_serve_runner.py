@@ -1,4 +1,5 @@
-"""The runner each model instance owns: buckets, padding, per-request refusals, threads."""
+"""The runner each model instance owns: buckets, padding, per-request refusals, threads; and
+how the load test judges served answers."""
 
 from __future__ import annotations
 
@@ -293,6 +294,58 @@ def test_loadtest_excuses_what_another_slot_flips_and_nothing_else(detector_arti
     assert not same(flipped, first)
     assert same(flipped, first, [flipped])  # the row's own answer from another slot
     assert not same(second, first, [flipped])  # a mix-up is still one
+
+
+def _outcomes(references: list[dict], answers: list[dict | None]) -> list[str]:
+    """How the load test judges ``answers``, each given to a request for row 0."""
+    from bladesmith.serve.loadtest import _Job, _judged
+
+    job = _Job("", "", len(references), 0, None, references, [[] for _ in references], None)
+    return [outcome for outcome, _, _ in _judged(job, [(0, a, 0.0, 1.0) for a in answers])]
+
+
+def test_loadtest_tells_an_answer_mixed_up_with_another_rows_from_a_wrong_one(net_artifacts):
+    runner = BucketRunner(bladesmith.load(net_artifacts[".pt"]))
+    first, second, third = runner.answer([[rows(1, 40)], [rows(1, 41)], [rows(1, 42)]])
+    nudged = dict(first, output_0=first["output_0"] + np.float32(1e-2))
+    assert _outcomes([first, second, third], [first, third, nudged, None]) == [
+        "answered",
+        "mixed up",
+        "wrong",
+        "failed",
+    ]
+
+
+def test_loadtest_tells_detections_mixed_up_with_another_images_from_wrong_ones(
+    detector_artifact,
+):
+    path, photos = detector_artifact
+    runner = BucketRunner(bladesmith.load(path))
+    first, second = runner.answer([[photos[0][None].numpy()], [photos[0].flip(-1)[None].numpy()]])
+    count = int(first["num_detections"].reshape(-1)[0])
+    assert count >= 10
+    flipped = _keep(first, [i for i in range(count) if i % 10 != 5])  # F1 0.95 against first
+    assert _outcomes([first, second], [second, flipped]) == ["mixed up", "wrong"]
+
+
+def test_loadtest_asks_each_row_from_other_slots_in_every_bucket_size():
+    from types import SimpleNamespace
+
+    from bladesmith.serve.loadtest import _slot_variants
+
+    sizes = []
+
+    def infer(x):
+        sizes.append(len(x))
+        return {"row": x.copy()}
+
+    client = SimpleNamespace(detections=True, max_batch=8, infer=infer)
+    inputs = [[np.full((1, 2), i, np.float32)] for i in range(10)]
+    variants = _slot_variants(client, inputs)
+    # Full batches in order and reversed, then batches of 2 and of 4 in order.
+    assert sizes == [8, 2, 8, 2, *[2] * 5, 4, 4, 2]
+    for i, answers in enumerate(variants):
+        assert len(answers) == 4 and all(answer["row"].tolist() == [[i, i]] for answer in answers)
 
 
 def _keep(answer: dict, indices: list[int]) -> dict:

@@ -1,6 +1,6 @@
 """Served answers compared with reference answers: whether an answer is its row's, within
 the rounding of the dtype the model computes in (the load test's judgement, and the
-runner's check of its smaller buckets).
+runner's check of its smaller buckets), and how far it is from another row's.
 
 An answer is a dict of the served outputs by name, rows first. A detector's (the padded
 boxes, scores, labels and num_detections) is compared as ``optimize``'s gate compares
@@ -39,6 +39,20 @@ def comparison(compute_dtype: str | None):
         return all(_close(answer[name], expected, compute) for name, expected in reference.items())
 
     return same
+
+
+def distance(answer: dict, reference: dict) -> float:
+    """How far a served answer is from a reference: a detector's 1 - F1 of their
+    detections (matched as the gate matches them), another model's largest absolute
+    difference; infinite where the outputs' names or shapes differ."""
+    if not _same_form(answer, reference):
+        return float("inf")
+    if _detector(reference):
+        return 1.0 - compare_detections(_detections(reference), _detections(answer)).f1
+    return max(
+        float(np.abs(answer[name].astype(np.float64) - expected).max(initial=0.0))
+        for name, expected in reference.items()
+    )
 
 
 def cut_padding(row: dict) -> dict:

@@ -7,12 +7,14 @@ lost, failed or given to the wrong request is counted, not hidden in the timings
 "Equal" allows for where the server put the row: a GPU's convolutions give a row's
 numbers slightly differently in each slot of a batch (H200, RetinaNet in float32:
 scores moved by up to 8.5e-5 between slot 0 and slot 8, and 0 when the row kept its
-slot; ``benchmarks/probe_serve_batches.py``). Floats are compared within the rounding
-of the dtype the model computes in (the server's ``compute_dtype``, else the output's),
-and a detector's answers as ``optimize``'s gate compares detections: near ties that
-such a change flips are excused, and so is a detection that the row's own answers from
-other slots of a full batch (asked beside the references) gain or lose, as the gate
-excuses what rounding noise flips; a mix-up is not.
+slot; ``benchmarks/probe_serve_batches.py``), and with the size of the bucket it ran
+in. Floats are compared within the rounding of the dtype the model computes in (the
+server's ``compute_dtype``, else the output's), and a detector's answers as
+``optimize``'s gate compares detections: near ties that such a change flips are
+excused, and so is a detection that the row's own answers from other slots (asked
+beside the references, in batches of each bucket size) gain or lose, as the gate
+excuses what rounding noise flips; a mix-up is not. A wrong answer closer to another
+row's reference than to its own is counted as mixed up: noise does not do that.
 
 The answers are checked after the clock stops, and the requests can come from several
 processes (``processes``): one Python process's threads share one interpreter lock, and
@@ -33,11 +35,13 @@ from queue import Empty
 import numpy as np
 
 from bladesmith.errors import BladesmithError
-from bladesmith.serve.answers import comparison
+from bladesmith.serve.answers import comparison, distance
 from bladesmith.serve.client import Client
+from bladesmith.serve.signature import random_rows, smaller_buckets
 
 DISTINCT_ROWS = 64  # rows cycled through; enough that a swapped answer shows
 WORKER_TIMEOUT_S = 600.0  # a load-generating process that has not reported by then failed
+_ROW_DTYPES = {"FP32": np.dtype(np.float32), "UINT8": np.dtype(np.uint8)}  # served images
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class LoadRow:
     requests: int
     answered: int  # answers that equal the reference
     wrong: int  # answers that differ from the reference: mixed up or corrupted
+    mixed_up: int  # of the wrong, those closer to another row's reference than to their own
     failed: int  # errors and timeouts
     seconds: float
     throughput: float  # answered requests per second
@@ -121,7 +126,8 @@ def _run(job, rows, concurrency, requests, processes, probe: Client) -> LoadRow:
         concurrency=concurrency,
         requests=requests,
         answered=answered,
-        wrong=outcomes.count("wrong"),
+        wrong=outcomes.count("wrong") + outcomes.count("mixed up"),
+        mixed_up=outcomes.count("mixed up"),
         failed=outcomes.count("failed"),
         seconds=round(seconds, 3),
         throughput=round(answered / seconds, 2),
@@ -213,31 +219,42 @@ def _send(job: _Job, rows, share: list[int], threads: int, barrier) -> list[tupl
 
 
 def _judged(job: _Job, results: list[tuple]) -> list[tuple]:
-    """Per request: "answered" (equal to its row's reference), "wrong" or "failed", and
-    when it started and ended."""
+    """Per request: "answered" (equal to its row's reference), "wrong", "mixed up" (wrong,
+    and closer to another row's reference than to its own) or "failed", and when it
+    started and ended."""
     same = comparison(job.compute_dtype)
     judged = []
     for row, answer, start, end in results:
         if answer is None:
             outcome = "failed"
+        elif same(answer, job.references[row], job.variants[row]):
+            outcome = "answered"
         else:
-            agrees = same(answer, job.references[row], job.variants[row])
-            outcome = "answered" if agrees else "wrong"
+            outcome = "mixed up" if _mixed_up(answer, row, job.references) else "wrong"
         judged.append((outcome, start, end))
     return judged
 
 
+def _mixed_up(answer: dict, row: int, references: list[dict]) -> bool:
+    own = distance(answer, references[row])
+    return any(distance(answer, other) < own for k, other in enumerate(references) if k != row)
+
+
 def _slot_variants(client: Client, rows: list[list[np.ndarray]]) -> list[list[dict]]:
-    """A detector's answer to each row from two other slots: the rows sent in full
-    batches in order and reversed (row i in slot i mod batch, then batch - 1 - that).
-    Empty lists for other models, and where the server takes one row at a time."""
+    """A detector's answers to each row from other slots: the rows sent in full batches
+    in order and reversed (row i in slot i mod batch, then batch - 1 - that), and in
+    order in batches of each power of two below the batch from 2 up (the runner's
+    smaller buckets; each costs a request per that many rows). Empty lists for other
+    models, and where the server takes one row at a time."""
     if not client.detections or client.max_batch < 2:
         return [[] for _ in rows]
     variants: list[list[dict]] = [[] for _ in rows]
     order = list(range(len(rows)))
-    for arrangement in (order, order[::-1]):
-        for start in range(0, len(arrangement), client.max_batch):
-            chunk = arrangement[start : start + client.max_batch]
+    arrangements = [(order, client.max_batch), (order[::-1], client.max_batch)]
+    arrangements += [(order, size) for size in smaller_buckets(client.max_batch)[1:]]
+    for arrangement, size in arrangements:
+        for start in range(0, len(arrangement), size):
+            chunk = arrangement[start : start + size]
             stacked = [np.concatenate(arrays) for arrays in zip(*(rows[i] for i in chunk))]
             answer = client.infer(*stacked)
             for slot, i in enumerate(chunk):
@@ -248,20 +265,19 @@ def _slot_variants(client: Client, rows: list[list[np.ndarray]]) -> list[list[di
 def _distinct_rows(client: Client, count: int, seed: int) -> list[list[np.ndarray]]:
     """``count`` requests of one random row each, like images: float32 in [0, 1), or
     uint8."""
+    for _, datatype, _ in client.inputs:
+        if datatype not in _ROW_DTYPES:
+            raise BladesmithError(f"loadtest: input type {datatype} is not supported")
     generator = np.random.default_rng(seed)
-    requests = []
-    for _ in range(count):
-        arrays = []
-        for _, datatype, shape in client.inputs:
-            row = [1, *shape[1:]] if client.max_batch else shape
-            if datatype == "FP32":
-                arrays.append(generator.random(row, dtype=np.float32))
-            elif datatype == "UINT8":
-                arrays.append(generator.integers(0, 256, row, dtype=np.uint8))
-            else:
-                raise BladesmithError(f"loadtest: input type {datatype} is not supported")
-        requests.append(arrays)
-    return requests
+    return [
+        [
+            random_rows(
+                generator, _ROW_DTYPES[datatype], [1, *shape[1:]] if client.max_batch else shape
+            )
+            for _, datatype, shape in client.inputs
+        ]
+        for _ in range(count)
+    ]
 
 
 def _only_model(url: str) -> str:
@@ -283,16 +299,16 @@ def _only_model(url: str) -> str:
 
 def render(rows: list[LoadRow]) -> str:
     header = (
-        f"{'concurrency':>11} {'requests':>8} {'answered':>8} {'wrong':>5} {'failed':>6} "
-        f"{'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} | server: {'batch':>6} "
-        f"{'queue ms':>8} {'compute ms':>10}"
+        f"{'concurrency':>11} {'requests':>8} {'answered':>8} {'wrong':>5} {'mixed up':>8} "
+        f"{'failed':>6} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} | server: "
+        f"{'batch':>6} {'queue ms':>8} {'compute ms':>10}"
     )
     lines = [header]
     for row in rows:
         lines.append(
             f"{row.concurrency:>11} {row.requests:>8} {row.answered:>8} {row.wrong:>5} "
-            f"{row.failed:>6} {row.throughput:>9.1f} {row.p50_ms:>8.2f} {row.p90_ms:>8.2f} "
-            f"{row.p99_ms:>8.2f} |         {row.batch:>6.2f} {row.queue_ms:>8.2f} "
-            f"{row.compute_ms:>10.2f}"
+            f"{row.mixed_up:>8} {row.failed:>6} {row.throughput:>9.1f} {row.p50_ms:>8.2f} "
+            f"{row.p90_ms:>8.2f} {row.p99_ms:>8.2f} |         {row.batch:>6.2f} "
+            f"{row.queue_ms:>8.2f} {row.compute_ms:>10.2f}"
         )
     return "\n".join(lines)
