@@ -89,5 +89,18 @@ def test_an_adaptive_sampling_ratio_is_refused():
 @cuda
 def test_float16_on_the_gpu_is_within_half_precision_of_float32():
     reference, _, _ = pooled_both(2, 1000, 7, 2)
-    _, ours, _ = pooled_both(2, 1000, 7, 2, torch.float16, "cuda")
+    maps = features(2, 8, torch.float16, "cuda")
+    rois = boxes(2, 1000)
+    pooler = MultiScaleRoIAlign(NAMES, 7, 2)
+    pooler(features(2, 8), rois, [IMAGE] * 2)  # its scales and level mapper, on the CPU
+    flat = torch.cat([torch.cat([torch.full((1000, 1), i), b], 1) for i, b in enumerate(rois)])
+    ours = multilevel_roi_align(
+        [maps[n] for n in NAMES],
+        flat.cuda(),  # boxes stay float32, as the pipelines pass them
+        pooler.map_levels(rois).cuda(),
+        pooler.scales,
+        (7, 7),
+        2,
+    )
+    assert ours.dtype == torch.float16
     torch.testing.assert_close(ours.float().cpu(), reference, rtol=1e-2, atol=1e-2)

@@ -33,22 +33,21 @@ def multilevel_roi_align(
     if sampling_ratio <= 0:
         raise ValueError(f"sampling_ratio must be positive here, got {sampling_ratio}")
     batch, channels = levels[0].shape[:2]
-    device = rois.device
-    table = torch.cat([f.permute(0, 2, 3, 1).reshape(-1, channels) for f in levels])
+    # Image by image, each level's pixels in turn: a box's rows start at its image's
+    # block and its level's offset there, whatever the batch.
+    table = torch.cat([f.permute(0, 2, 3, 1).reshape(batch, -1, channels) for f in levels], 1)
+    table = table.reshape(-1, channels)
     sizes = [f.shape[-2:] for f in levels]
-    starts, start = [], 0
-    for height, width in sizes:
-        starts.append(start)
-        start += batch * height * width
-    per_level = torch.tensor(
-        [[h, w, s, first] for (h, w), s, first in zip(sizes, scales, starts)],
-        dtype=torch.float64,
-        device=device,
-    )[level_of]
-    height, width = per_level[:, 0].float(), per_level[:, 1].float()
-    scale = per_level[:, 2].float()
-    image = rois[:, 0].long()
-    first_row = per_level[:, 3].long() + image * (height * width).long()
+    offsets = [0]
+    for height, width in sizes[:-1]:
+        offsets.append(offsets[-1] + height * width)
+    per_image = offsets[-1] + sizes[-1][0] * sizes[-1][1]
+    # Each box's level's constants, chosen on the device (a table copied from the host
+    # would break a CUDA graph's capture).
+    height = _per_box(level_of, [float(h) for h, _ in sizes])
+    width = _per_box(level_of, [float(w) for _, w in sizes])
+    scale = _per_box(level_of, [float(s) for s in scales])
+    first_row = _per_box(level_of, offsets) + rois[:, 0].long() * per_image
     boxes = rois[:, 1:].float() * scale[:, None]
     pooled_h, pooled_w = output_size
     y_low, y_high, wy_low, wy_high = _neighbours(
@@ -80,6 +79,15 @@ def multilevel_roi_align(
     # In the features' memory format: the heads' convolutions then run as on them.
     last = levels[0].is_contiguous(memory_format=torch.channels_last)
     return pooled.contiguous(memory_format=torch.channels_last if last else torch.contiguous_format)
+
+
+def _per_box(level_of: torch.Tensor, values: list) -> torch.Tensor:
+    """values[level_of[n]] for each box n (float32, or int64 for ints)."""
+    dtype = torch.int64 if isinstance(values[0], int) else torch.float32
+    found = torch.full(level_of.shape, values[0], dtype=dtype, device=level_of.device)
+    for level, value in enumerate(values[1:], 1):
+        found = torch.where(level_of == level, value, found)
+    return found
 
 
 def _samples(start, end, bins: int, grid: int) -> torch.Tensor:
