@@ -110,6 +110,23 @@ def test_an_artifact_that_runs_only_at_its_batch_keeps_one_bucket(net_artifacts,
         np.testing.assert_allclose(answer["output_0"], expected(part)[0], rtol=1e-4, atol=1e-5)
 
 
+def test_an_aotinductor_package_is_not_tried_at_another_batch(tmp_path, capsys):
+    # It does not check its input shapes: at batch 1 it would read past the row given.
+    from serve_testing import optimized_net
+
+    loaded = bladesmith.load(bladesmith.save(optimized_net(), tmp_path / "net.pt2"))
+    capsys.readouterr()
+    runner = BucketRunner(loaded)
+    assert runner.buckets == (NET_BATCH,)
+    assert capsys.readouterr().err == (
+        "bladesmith serve: batch buckets 4; not 1, 2: an AOTInductor package runs at its own "
+        "batch only\n"
+    )
+    x = rows(1, 32)
+    [answer] = runner.answer([[x]])
+    np.testing.assert_allclose(answer["output_0"], expected(x)[0], rtol=1e-4, atol=1e-5)
+
+
 def test_a_bucket_that_answers_otherwise_than_the_full_batch_is_dropped(net_artifacts, capsys):
     def drifting(loaded, x):  # right at batches 1 and 4, off by 1e-3 at batch 2
         scores, best = loaded(x)
