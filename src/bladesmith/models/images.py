@@ -8,6 +8,7 @@ scikit-image ships inside its package (no network access needed).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # RGB photographs bundled with scikit-image; busy scenes first.
 _PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "retina", "hubble_deep_field")
@@ -49,6 +50,28 @@ def sample_images(
     if not images:
         return torch.empty(0, 3, height, width, device=device, dtype=dtype)
     return torch.stack(images).to(device=device, dtype=dtype)
+
+
+def varied_photos(count: int, image_size: tuple[int, int], seed: int = 0) -> torch.Tensor:
+    """A batch [count, 3, H, W] of distinct views of the bundled photographs: each one
+    scaled by a random factor in [1, 1.5] over ``image_size`` (h, w), cropped at a random
+    place and mirrored at random, so that a detector's answers differ from view to view
+    (random pixels give nearly the same detections whatever the pixels)."""
+    generator = torch.Generator().manual_seed(seed)
+    height, width = image_size
+    views = []
+    for i in range(count):
+        scale = 1.0 + 0.5 * float(torch.rand((), generator=generator))
+        size = (round(height * scale), round(width * scale))
+        source = photo(_PHOTOS[(seed + i) % len(_PHOTOS)])[None]
+        scaled = F.interpolate(source, size=size, mode="bilinear", antialias=True)[0]
+        top = int(torch.randint(size[0] - height + 1, (), generator=generator))
+        left = int(torch.randint(size[1] - width + 1, (), generator=generator))
+        view = scaled[:, top : top + height, left : left + width]
+        if bool(torch.rand((), generator=generator) < 0.5):
+            view = view.flip(-1)
+        views.append(view.clamp(0.0, 1.0))
+    return torch.stack(views) if views else torch.empty(0, 3, height, width)
 
 
 def as_batch(images) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Load test a served model: throughput and latency percentiles per concurrency, with
 every answer checked.
 
-Each request carries one distinct random row. The answer to every row is first asked
-alone, one request at a time; under load, each answer must equal that one, so an answer
-lost, failed or given to the wrong request is counted, not hidden in the timings.
+Each request carries one distinct random row (a detector's: a view of a photograph). The
+answer to every row is first asked alone, one request at a time; under load, each answer
+must equal that one, so an answer lost, failed or given to the wrong request is counted,
+not hidden in the timings.
 "Equal" allows for where the server put the row: a GPU's convolutions give a row's
 numbers slightly differently in each slot of a batch (H200, RetinaNet in float32:
 scores moved by up to 8.5e-5 between slot 0 and slot 8, and 0 when the row kept its
@@ -264,7 +265,7 @@ def _slot_variants(client: Client, rows: list[list[np.ndarray]]) -> list[list[di
 
 def _distinct_rows(client: Client, count: int, seed: int) -> list[list[np.ndarray]]:
     """``count`` requests of one random row each, like images: float32 in [0, 1), or
-    uint8."""
+    uint8; a detector's, views of photographs (``random_rows``)."""
     for _, datatype, _ in client.inputs:
         if datatype not in _ROW_DTYPES:
             raise BladesmithError(f"loadtest: input type {datatype} is not supported")
@@ -272,7 +273,10 @@ def _distinct_rows(client: Client, count: int, seed: int) -> list[list[np.ndarra
     return [
         [
             random_rows(
-                generator, _ROW_DTYPES[datatype], [1, *shape[1:]] if client.max_batch else shape
+                generator,
+                _ROW_DTYPES[datatype],
+                [1, *shape[1:]] if client.max_batch else shape,
+                client.detections,
             )
             for _, datatype, shape in client.inputs
         ]

@@ -226,16 +226,17 @@ class BucketRunner:
 
     def _add_smaller_buckets(self, module) -> dict[int, str]:
         """Keep each power of two below the artifact's batch where the artifact runs and
-        answers seeded random rows as it answers them in the first slots of its own
-        batch (within the rounding of the dtype it computes in); why each other one was
-        not."""
+        answers seeded random rows (a detector's: views of photographs) as it answers
+        them in the first slots of its own batch (within the rounding of the dtype it
+        computes in); why each other one was not."""
         full = self.signature.bucket
         sizes, fixed = smaller_buckets(full), _only_at_its_batch(module)
         if fixed or not sizes:
             return dict.fromkeys(sizes, fixed)
         generator = np.random.default_rng(0)
         rows = [
-            random_rows(generator, spec.dtype, (full, *spec.dims)) for spec in self.signature.inputs
+            random_rows(generator, spec.dtype, (full, *spec.dims), self.signature.detections)
+            for spec in self.signature.inputs
         ]
         reference = self._answer_rows(rows)
         # The same rows in reverse order: what another slot alone changes, excused for a
@@ -273,9 +274,19 @@ def smaller_buckets(batch: int) -> list[int]:
     return [1 << k for k in range(batch.bit_length()) if 1 << k < batch]
 
 
-def random_rows(generator: np.random.Generator, dtype: np.dtype, shape) -> np.ndarray:
+def random_rows(
+    generator: np.random.Generator, dtype: np.dtype, shape, photos: bool = False
+) -> np.ndarray:
     """Random rows of a served input, like images: uint8 in [0, 255], else float32 in
-    [0, 1)."""
+    [0, 1). With ``photos`` (a detector's images, [N, 3, H, W]), distinct views of real
+    photographs: a detector answers random pixels with nearly the same detections
+    whatever they are, so one row's answer could pass for another's."""
+    if photos and len(shape) == 4 and shape[1] == 3:
+        from bladesmith.models.images import varied_photos
+
+        seed = int(generator.integers(2**31))
+        rows = varied_photos(shape[0], tuple(shape[2:]), seed).numpy()
+        return np.rint(rows * 255).astype(np.uint8) if dtype == np.uint8 else rows
     if dtype == np.uint8:
         return generator.integers(0, 256, shape, dtype=np.uint8)
     return generator.random(shape, dtype=np.float32)
