@@ -66,9 +66,14 @@ class OptimizedModule(nn.Module):
         spec: Spec | None = None,
         candidate=None,
         example_args: tuple | None = None,
+        batch_fixed: bool = False,
     ):
         super().__init__()
         self._run = run
+        # Runs at its spec's batch only, unchecked: an AOTInductor package runs any input
+        # as the shapes it was compiled for (it checks them only under
+        # AOTI_RUNTIME_CHECK_INPUTS=1), so fewer rows would be read past.
+        self.batch_fixed = batch_fixed
         self.device = torch.device(device)
         self._home = with_index(self.device)  # as tensors report it
         self.family = family
@@ -330,6 +335,7 @@ def load(path: str | os.PathLike) -> OptimizedModule:
         family=family_named(info["family"]) if info.get("family") else None,
         output=info["output"],
         spec=Spec.from_dict(info["spec"]),
+        batch_fixed=path.suffix == AOTI_SUFFIX,
     )
 
 

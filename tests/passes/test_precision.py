@@ -105,7 +105,7 @@ def test_linear_bf16_runs_the_linear_layers_alone_in_bfloat16_and_saves(tmp_path
     import bladesmith.passes.precision as precision
     from bladesmith import fresh_load
     from bladesmith.config import Config
-    from bladesmith.passes.precision import BFloat16Linear, LinearBFloat16
+    from bladesmith.passes.precision import BFloat16Module, LinearBFloat16
 
     monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)  # whatever this CPU is
     torch.manual_seed(0)
@@ -118,7 +118,7 @@ def test_linear_bf16_runs_the_linear_layers_alone_in_bfloat16_and_saves(tmp_path
     mixed = LinearBFloat16().apply(candidate, context)
     assert mixed.dtype == torch.bfloat16
     assert isinstance(mixed.module[0], nn.Conv2d) and mixed.module[0].weight.dtype == torch.float32
-    assert all(isinstance(mixed.module[i], BFloat16Linear) for i in (2, 4))
+    assert all(isinstance(mixed.module[i], BFloat16Module) for i in (2, 4))
     assert isinstance(model[2], nn.Linear)  # the model given is untouched
     with torch.no_grad():
         out, expected = mixed(x), model(x)
@@ -137,3 +137,60 @@ def test_linear_bf16_runs_the_linear_layers_alone_in_bfloat16_and_saves(tmp_path
     outputs, problem = fresh_load.run_saved(bladesmith.save(optimized, tmp_path / "m.pt"), (x,))
     assert problem is None
     torch.testing.assert_close(outputs, optimized(x))
+
+
+def test_roi_heads_bf16_runs_a_two_stage_detectors_heads_alone_in_bfloat16_and_saves(
+    tmp_path, monkeypatch
+):
+    """Faster R-CNN v2 (its box head: four 3x3 convolutions and a Linear layer per
+    proposal): the heads the pipeline names run in bfloat16, the backbone and the RPN in
+    float32; through the gate, saved, and run in a new process with the same outputs."""
+    import bladesmith
+    import bladesmith.passes.precision as precision
+    from bladesmith import fresh_load
+    from bladesmith.config import Config
+    from bladesmith.families.rcnn import FasterRCNNPipeline, build_rcnn
+    from bladesmith.models.images import sample_images
+    from bladesmith.passes.precision import BFloat16Module, RoIHeadsBFloat16
+    from bladesmith.verify import compare_detections
+    from bladesmith.verify.tolerance import detection_score_tolerance
+
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)  # whatever this CPU is
+    size = (128, 160)
+    small = dict(num_classes=5, rpn_pre_nms_top_n_test=100, rpn_post_nms_top_n_test=50)
+    model = build_rcnn("fasterrcnn_resnet50_fpn_v2", size, **small)
+    images = sample_images(1, size)
+    context = context_for((images,))
+    pipeline = Candidate(module=FasterRCNNPipeline(model, size), device=torch.device("cpu"))
+    assert RoIHeadsBFloat16().skip_reason(pipeline, context) is None
+    mixed = RoIHeadsBFloat16().apply(pipeline, context)
+    assert mixed.dtype == torch.bfloat16
+    heads = [getattr(mixed.module, name) for name in FasterRCNNPipeline.roi_heads]
+    assert all(isinstance(head, BFloat16Module) for head in heads)
+    assert next(heads[0].parameters()).dtype == torch.bfloat16
+    assert next(mixed.module.backbone.parameters()).dtype == torch.float32
+    assert not isinstance(model.roi_heads.box_head, BFloat16Module)  # the model is untouched
+    with torch.no_grad():
+        boxes, scores, labels, num = mixed(images)
+        expected = pipeline(images)
+    assert boxes.dtype == scores.dtype == torch.float32 and int(num[0]) > 0
+    assert not torch.equal(scores, expected[1])  # rounded differently
+    plain = Candidate(module=nn.Linear(3, 3), device=torch.device("cpu"))
+    assert "no RoI heads" in RoIHeadsBFloat16().skip_reason(plain, context)
+    assert "already computes in" in RoIHeadsBFloat16().skip_reason(mixed, context)
+
+    config = Config(warmup=0, iters=2, min_speedup=0.01, exclude=("bf16", "winograd"))
+    optimized, spec, _ = bladesmith.optimize(
+        model, device="cpu", test_data=[(list(images),)], config=config
+    )
+    assert "roi_heads_bf16" in spec.passes and spec.dtype == "bfloat16", spec.passes
+    outputs, problem = fresh_load.run_saved(
+        bladesmith.save(optimized, tmp_path / "m.pt"), (list(images),)
+    )
+    assert problem is None
+    # The frozen file and the module in process round bfloat16 differently: the same
+    # detections as the gate judges them at bfloat16's tolerance.
+    same = compare_detections(
+        optimized(list(images)), outputs, score_atol=detection_score_tolerance(torch.bfloat16)
+    )
+    assert same.passed, same

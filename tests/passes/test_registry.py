@@ -18,6 +18,7 @@ def test_registry_lists_builtin_passes_in_order_and_refuses_duplicates():
         "channels_last",
         "conv_fusion",
         "channel_padding",
+        "roi_heads_bf16",
         "linear_bf16",
         "inductor",
         "torchscript",

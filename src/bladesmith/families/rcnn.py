@@ -46,6 +46,8 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
     """
 
     float32_buffers = ("anchors",)
+    # The layers that run once per region (the passes may change their precision alone).
+    roi_heads = ("box_head", "box_predictor")
     # Fixed shapes for RoI pooling and the box head: None picks them on GPUs only (one
     # CUDA graph); on a CPU only the valid proposals run, each level pooling its own.
     fixed_shapes: bool | None = None
@@ -230,6 +232,8 @@ class MaskRCNNPipeline(FasterRCNNPipeline):
     """A torchvision Mask R-CNN for one fixed image size: ``FasterRCNNPipeline``'s
     outputs plus masks [B, D, 1, H, W] (probabilities pasted into the input image, as
     torchvision returns them; 0 in padding slots)."""
+
+    roi_heads = (*FasterRCNNPipeline.roi_heads, "mask_head", "mask_predictor")
 
     def __init__(self, model: nn.Module, image_size: tuple[int, int]):
         from torchvision.models.detection import MaskRCNN

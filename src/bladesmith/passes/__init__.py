@@ -17,7 +17,7 @@ from bladesmith.passes.head_packing import HeadPacking
 from bladesmith.passes.inductor import Inductor
 from bladesmith.passes.norm_folding import NormFolding
 from bladesmith.passes.onnxruntime import OnnxRuntime
-from bladesmith.passes.precision import BFloat16, Float16, LinearBFloat16
+from bladesmith.passes.precision import BFloat16, Float16, LinearBFloat16, RoIHeadsBFloat16
 from bladesmith.passes.registry import Context, Pass, PassSkipped, names, register
 from bladesmith.passes.torchscript import TorchScriptFreeze
 from bladesmith.passes.winograd import Winograd
@@ -33,6 +33,7 @@ ORDER = (
     ChannelsLast,
     ConvFusion,
     ChannelPadding,
+    RoIHeadsBFloat16,
     LinearBFloat16,
     Inductor,
     TorchScriptFreeze,

@@ -112,16 +112,50 @@ class BFloat16(Float16):
         return super().skip_reason(candidate, context)
 
 
-class BFloat16Linear(nn.Module):
-    """``linear`` (converted in place: a copy's) with its matrix product in bfloat16:
-    input cast in, output cast back."""
+class BFloat16Module(nn.Module):
+    """``module`` (converted in place: a copy's) computing in bfloat16: its input cast
+    in, its floating outputs cast back to the input's dtype."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, module: nn.Module):
         super().__init__()
-        self.linear = linear.to(torch.bfloat16)
+        self.module = module.to(torch.bfloat16)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x.to(torch.bfloat16)).to(x.dtype)
+    def forward(self, x: torch.Tensor):
+        outputs = self.module(x.to(torch.bfloat16))
+        return pytree.tree_map(
+            lambda t: t.to(x.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+            outputs,
+        )
+
+
+class RoIHeadsBFloat16(Pass):
+    """A two-stage detector's RoI heads (the box head and predictor, a mask head and
+    predictor: every layer that runs once per region) in bfloat16, on CPUs that compute
+    in it, where bf16 for the whole model was not kept: they take most of the CPU time
+    (Faster R-CNN v2's four 3x3 convolutions per proposal), and their rounding does not
+    move the proposals. The pipeline names them (``roi_heads``)."""
+
+    name = "roi_heads_bf16"
+    levels = ("o1", "o2")
+    devices = ("cpu",)
+    changes_precision = True
+    rewrites_modules = True
+
+    def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
+        if not cpu_has_bf16():
+            return NO_CPU_BF16
+        if candidate.dtype != torch.float32:
+            return f"the model already computes in {dtype_name(candidate.dtype)}"
+        if not any(getattr(m, "roi_heads", ()) for m in candidate.module.modules()):
+            return "the model has no RoI heads (a two-stage detector's, after fixed_shape)"
+        return None
+
+    def apply(self, candidate: Candidate, context: Context) -> Candidate:
+        module = copy.deepcopy(candidate.module)
+        for pipeline in list(module.modules()):
+            for name in getattr(pipeline, "roi_heads", ()):
+                setattr(pipeline, name, BFloat16Module(getattr(pipeline, name)))
+        return candidate.with_module(module, self.name, dtype=torch.bfloat16)
 
 
 class LinearBFloat16(Pass):
@@ -150,7 +184,7 @@ class LinearBFloat16(Pass):
         for parent in list(module.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, BFloat16Linear(child))
+                    setattr(parent, name, BFloat16Module(child))
         return candidate.with_module(module, self.name, dtype=torch.bfloat16)
 
 

@@ -294,9 +294,7 @@ def random_rows(
 
 def _only_at_its_batch(module) -> str | None:
     """Why the artifact is not tried at other batches, or None."""
-    # An AOTInductor package runs any input as the shapes it was compiled for (it checks
-    # them only under AOTI_RUNTIME_CHECK_INPUTS=1): given fewer rows, it reads past them.
-    if type(getattr(module, "_run", None)).__name__ == "AOTICompiledModel":
+    if getattr(module, "batch_fixed", False):
         return "an AOTInductor package runs at its own batch only"
     return None
 
