@@ -128,64 +128,72 @@ class BFloat16Module(nn.Module):
         )
 
 
-class RoIHeadsBFloat16(Pass):
-    """A two-stage detector's RoI heads (the box head and predictor, a mask head and
-    predictor: every layer that runs once per region) in bfloat16, on CPUs that compute
-    in it, where bf16 for the whole model was not kept: they take most of the CPU time
-    (Faster R-CNN v2's four 3x3 convolutions per proposal), and their rounding does not
-    move the proposals. The pipeline names them (``roi_heads``)."""
+class _PartsInBFloat16(Pass):
+    """Some layers alone in bfloat16 (``wrap``: each in a ``BFloat16Module``, in place),
+    on CPUs that compute in it, where bf16 for the whole model was not kept."""
 
-    name = "roi_heads_bf16"
     levels = ("o1", "o2")
     devices = ("cpu",)
     changes_precision = True
     rewrites_modules = True
+
+    def absent(self, module: nn.Module) -> str | None:
+        """Why ``module`` has none of these layers, or None."""
+        raise NotImplementedError
+
+    def wrap(self, module: nn.Module) -> None:
+        raise NotImplementedError
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if not cpu_has_bf16():
             return NO_CPU_BF16
         if candidate.dtype != torch.float32:
             return f"the model already computes in {dtype_name(candidate.dtype)}"
-        if not any(getattr(m, "roi_heads", ()) for m in candidate.module.modules()):
-            return "the model has no RoI heads (a two-stage detector's, after fixed_shape)"
-        return None
+        return self.absent(candidate.module)
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
         module = copy.deepcopy(candidate.module)
-        for pipeline in list(module.modules()):
-            for name in getattr(pipeline, "roi_heads", ()):
-                setattr(pipeline, name, BFloat16Module(getattr(pipeline, name)))
+        self.wrap(module)
         return candidate.with_module(module, self.name, dtype=torch.bfloat16)
 
 
-class LinearBFloat16(Pass):
-    """The Linear layers alone in bfloat16, on CPUs that compute in it, where bf16 for the
-    whole model was not kept: a detector's box head, a transformer's MLPs, where most of
-    the time goes, at the cost of their rounding only (Faster R-CNN MobileNetV3 on two
-    cores: 1.8x eager, F1 1 against float32, where bf16 everywhere failed the gate)."""
+class RoIHeadsBFloat16(_PartsInBFloat16):
+    """A two-stage detector's RoI heads (the box head and predictor, a mask head and
+    predictor: every layer that runs once per region) in bfloat16: they take most of the
+    CPU time (Faster R-CNN v2's four 3x3 convolutions per proposal), and their rounding
+    does not move the proposals. The pipeline names them (``roi_heads``)."""
+
+    name = "roi_heads_bf16"
+
+    def absent(self, module: nn.Module) -> str | None:
+        if not any(getattr(m, "roi_heads", ()) for m in module.modules()):
+            return "the model has no RoI heads (a two-stage detector's, after fixed_shape)"
+        return None
+
+    def wrap(self, module: nn.Module) -> None:
+        for pipeline in list(module.modules()):
+            for name in getattr(pipeline, "roi_heads", ()):
+                setattr(pipeline, name, BFloat16Module(getattr(pipeline, name)))
+
+
+class LinearBFloat16(_PartsInBFloat16):
+    """The Linear layers alone in bfloat16: a detector's box head, a transformer's MLPs,
+    where most of the time goes, at the cost of their rounding only (Faster R-CNN
+    MobileNetV3 on two cores: 1.8x eager, F1 1 against float32, where bf16 everywhere
+    failed the gate)."""
 
     name = "linear_bf16"
-    levels = ("o1", "o2")
-    devices = ("cpu",)
-    changes_precision = True
-    rewrites_modules = True
 
-    def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
-        if not cpu_has_bf16():
-            return NO_CPU_BF16
-        if candidate.dtype != torch.float32:
-            return f"the model already computes in {dtype_name(candidate.dtype)}"
-        if not any(isinstance(m, nn.Linear) for m in candidate.module.modules()):
+    def absent(self, module: nn.Module) -> str | None:
+        if not any(isinstance(m, nn.Linear) for m in module.modules()):
             return "the model has no Linear layer"
         return None
 
-    def apply(self, candidate: Candidate, context: Context) -> Candidate:
-        module = copy.deepcopy(candidate.module)
+    def wrap(self, module: nn.Module) -> None:
         for parent in list(module.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
                     setattr(parent, name, BFloat16Module(child))
-        return candidate.with_module(module, self.name, dtype=torch.bfloat16)
 
 
 def cpu_has_bf16() -> bool:
