@@ -112,25 +112,10 @@ class BFloat16(Float16):
         return super().skip_reason(candidate, context)
 
 
-class BFloat16Module(nn.Module):
-    """``module`` (converted in place: a copy's) computing in bfloat16: its input cast
-    in, its floating outputs cast back to the input's dtype."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module.to(torch.bfloat16)
-
-    def forward(self, x: torch.Tensor):
-        outputs = self.module(x.to(torch.bfloat16))
-        return pytree.tree_map(
-            lambda t: t.to(x.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-            outputs,
-        )
-
-
 class _PartsInBFloat16(Pass):
-    """Some layers alone in bfloat16 (``wrap``: each in a ``BFloat16Module``, in place),
-    on CPUs that compute in it, where bf16 for the whole model was not kept."""
+    """Some layers alone in bfloat16 (``wrap``: each converted and wrapped by
+    ``in_bfloat16``, in place), on CPUs that compute in it, where bf16 for the whole
+    model was not kept."""
 
     levels = ("o1", "o2")
     devices = ("cpu",)
@@ -173,7 +158,7 @@ class RoIHeadsBFloat16(_PartsInBFloat16):
     def wrap(self, module: nn.Module) -> None:
         for pipeline in list(module.modules()):
             for name in getattr(pipeline, "roi_heads", ()):
-                setattr(pipeline, name, BFloat16Module(getattr(pipeline, name)))
+                setattr(pipeline, name, in_bfloat16(getattr(pipeline, name)))
 
 
 class LinearBFloat16(_PartsInBFloat16):
@@ -193,7 +178,13 @@ class LinearBFloat16(_PartsInBFloat16):
         for parent in list(module.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, BFloat16Module(child))
+                    setattr(parent, name, in_bfloat16(child))
+
+
+def in_bfloat16(layer: nn.Module) -> CastFloats:
+    """``layer`` of a float32 model (converted in place: a copy's) computing in bfloat16:
+    its inputs cast in, its outputs cast back to float32."""
+    return CastFloats(layer.to(torch.bfloat16), torch.bfloat16, torch.float32)
 
 
 def cpu_has_bf16() -> bool:
