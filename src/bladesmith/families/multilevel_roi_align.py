@@ -38,16 +38,15 @@ def multilevel_roi_align(
     table = torch.cat([f.permute(0, 2, 3, 1).reshape(batch, -1, channels) for f in levels], 1)
     table = table.reshape(-1, channels)
     sizes = [f.shape[-2:] for f in levels]
-    offsets = [0]
-    for height, width in sizes[:-1]:
+    offsets = [0]  # each level's first row in an image's block, then the block's size
+    for height, width in sizes:
         offsets.append(offsets[-1] + height * width)
-    per_image = offsets[-1] + sizes[-1][0] * sizes[-1][1]
     # Each box's level's constants, chosen on the device (a table copied from the host
     # would break a CUDA graph's capture).
     height = _per_box(level_of, [float(h) for h, _ in sizes])
     width = _per_box(level_of, [float(w) for _, w in sizes])
     scale = _per_box(level_of, [float(s) for s in scales])
-    first_row = _per_box(level_of, offsets) + rois[:, 0].long() * per_image
+    first_row = _per_box(level_of, offsets[:-1]) + rois[:, 0].long() * offsets[-1]
     boxes = rois[:, 1:].float() * scale[:, None]
     pooled_h, pooled_w = output_size
     y_low, y_high, wy_low, wy_high = _neighbours(

@@ -138,9 +138,8 @@ __global__ void segment_offsets_kernel(Segments s, int* begins, int* ends) {
   ends[i] = static_cast<int>(begin + s.size[i % s.parts]);
 }
 
+// The radix sorts take fewer than 2^31 keys in all (sort_descending checks).
 at::Tensor radix_sort(const at::Tensor& keys, const Segments& s) {
-  BLADESMITH_CHECK_VALUE(keys.numel() < (int64_t{1} << 31), "the CUDA kernels sort fewer than ",
-                         "2^31 candidates in all, got ", keys.numel());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int num_segments = static_cast<int>(s.groups * s.parts);
   auto offsets = at::empty({2, num_segments}, keys.options().dtype(at::kInt));
@@ -170,8 +169,6 @@ __global__ void image_of_kernel(int n, int64_t slots, int* image) {
 // Whole images as segments: every key sorted at once, descending, carrying its image; then a
 // stable sort on the image alone, ascending, keeps each image's keys in that order.
 at::Tensor image_radix_sort(const at::Tensor& keys, const Segments& s) {
-  BLADESMITH_CHECK_VALUE(keys.numel() < (int64_t{1} << 31), "the CUDA kernels sort fewer than ",
-                         "2^31 candidates in all, got ", keys.numel());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int n = static_cast<int>(keys.numel());
   const auto* in = reinterpret_cast<const uint64_t*>(keys.const_data_ptr<int64_t>());
@@ -242,6 +239,8 @@ at::Tensor sort_descending(const at::Tensor& keys, const Segments& segments) {
     return keys;
   }
   if (largest <= kMaxMerged) return merge_sort(keys, segments, largest);
+  BLADESMITH_CHECK_VALUE(keys.numel() < (int64_t{1} << 31), "the CUDA kernels sort fewer than ",
+                         "2^31 candidates in all, got ", keys.numel());
   const bool whole_images = segments.parts == 1 && segments.begin[0] == 0 &&
                             segments.size[0] == segments.group_stride;
   return whole_images ? image_radix_sort(keys, segments) : radix_sort(keys, segments);
