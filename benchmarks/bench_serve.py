@@ -185,15 +185,15 @@ def main() -> int:
     )
     print(
         f"{'concurrency':>11} {'images/s':>10} {'vs in-proc':>10} {'p50 ms':>8} "
-        f"{'p90 ms':>8} {'p99 ms':>8} {'wrong':>5} {'mixed up':>8} {'failed':>6} "
+        f"{'p90 ms':>8} {'p99 ms':>8} {'wrong':>5} {'mixed up':>8} {'farthest':>8} {'failed':>6} "
         f"{'batch':>6} {'queue ms':>8} {'compute ms':>10}"
     )
     for row in rows:
         print(
             f"{row.concurrency:>11} {row.throughput:>10,.1f} {row.throughput / in_process:>10.2f} "
             f"{row.p50_ms:>8.2f} {row.p90_ms:>8.2f} {row.p99_ms:>8.2f} {row.wrong:>5} "
-            f"{row.mixed_up:>8} {row.failed:>6} {row.batch:>6.2f} {row.queue_ms:>8.2f} "
-            f"{row.compute_ms:>10.2f}"
+            f"{row.mixed_up:>8} {row.farthest:>8.4g} {row.failed:>6} {row.batch:>6.2f} "
+            f"{row.queue_ms:>8.2f} {row.compute_ms:>10.2f}"
         )
     if args.json:
         result = {

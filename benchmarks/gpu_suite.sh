@@ -5,12 +5,14 @@
 #   bash benchmarks/gpu_suite.sh [cuda-tests] [cuda-ops-tests] [tests] [bench-ops] [bench-passes]
 #       [bench-optimize] [bench-optimize-b1] [probe-reload] [bench-models] [bench-scripted]
 #       [bench-families] [family-NAME] [probe-capture] [probe-capture-rcnn] [probe-rcnn]
-#       [probe-serve-batches]
+#       [probe-serve-batches] [probe-serve-host]
 #       [serve-artifact] [bench-serve] [bench-serve-http|shm|uint8]
 # cuda-tests runs only the tests marked `cuda` (the rest run in CI on the CPU);
 # cuda-ops-tests only those of the custom operators. family-NAME runs bench_families.py
 # for one family (retinanet, fcos, ssd300, ...) at the batch sizes in $FAMILY_BATCHES
-# (default 1), in a process of its own. A step written NAME:SECONDS is stopped after
+# (default 1), in a process of its own. bench-serve* serve with $SERVE_INSTANCES instances
+# (default 2) at the concurrencies $SERVE_CONCURRENCY (default 1,8,32,128), batching
+# requests for up to $SERVE_DELAY_US microseconds (default 2000). A step written NAME:SECONDS is stopped after
 # that many seconds (its log so far is kept), so that a call to a machine with a time
 # limit still returns every step's log.
 set -uo pipefail
@@ -82,13 +84,18 @@ for s in $steps; do
             step probe-rcnn-fp16 python3 benchmarks/probe_rcnn.py \
                 --passes fixed_shape,fp16,channels_last,conv_fusion ;;
         probe-serve-batches) step probe-serve-batches python3 benchmarks/probe_serve_batches.py ;;
+        probe-serve-host)
+            [ -f /tmp/rn32.pt ] || serve_artifact
+            step probe-serve-host python3 benchmarks/probe_serve_host.py --artifact /tmp/rn32.pt ;;
         serve-artifact) serve_artifact ;;
         bench-serve*)  # Triton from the carried wheels (.whl, see benchmarks/README.md)
             [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile \
                 --target /tmp/site .whl/*.whl
             export PYTHONPATH=$PYTHONPATH:/tmp/site
             [ -f /tmp/rn32.pt ] || serve_artifact
-            serve=(python3 benchmarks/bench_serve.py --artifact /tmp/rn32.pt --instances 2)
+            serve=(python3 benchmarks/bench_serve.py --artifact /tmp/rn32.pt
+                --instances ${SERVE_INSTANCES:-2} --concurrency ${SERVE_CONCURRENCY:-1,8,32,128}
+                --max-queue-delay-us ${SERVE_DELAY_US:-2000})
             case $s in bench-serve|bench-serve-http) step bench-serve "${serve[@]}" \
                 --json "$out/bench_serve.json" --log "$out/triton.log" ;; esac
             case $s in bench-serve|bench-serve-shm) step bench-serve-shm "${serve[@]}" \

@@ -318,7 +318,7 @@ def _outcomes(references: list[dict], answers: list[dict | None]) -> list[str]:
     from bladesmith.serve.loadtest import _Job, _judged
 
     job = _Job("", "", len(references), 0, None, references, [[] for _ in references], None)
-    return [outcome for outcome, _, _ in _judged(job, [(0, a, 0.0, 1.0) for a in answers])]
+    return [outcome for outcome, *_ in _judged(job, [(0, a, 0.0, 1.0) for a in answers])]
 
 
 def test_loadtest_tells_an_answer_mixed_up_with_another_rows_from_a_wrong_one(net_artifacts):
@@ -331,6 +331,22 @@ def test_loadtest_tells_an_answer_mixed_up_with_another_rows_from_a_wrong_one(ne
         "wrong",
         "failed",
     ]
+
+
+def test_loadtest_says_how_far_a_wrong_answer_is_from_its_own(net_artifacts):
+    from bladesmith.serve.loadtest import _Job, _judged
+
+    runner = BucketRunner(bladesmith.load(net_artifacts[".pt"]))
+    first, second = runner.answer([[rows(1, 40)], [rows(1, 41)]])
+    nudged = dict(first, output_0=first["output_0"] + np.float32(1e-2))
+    job = _Job("", "", 2, 0, None, [first, second], [[], []], None)
+    answers = [first, nudged, second, None]
+    judged = _judged(job, [(0, answer, 0.0, 1.0) for answer in answers])
+    far = [distance for *_, distance in judged]
+    expected = np.abs(second["output_0"] - first["output_0"]).max()
+    assert far[0] is None and far[3] is None
+    assert far[1] == pytest.approx(1e-2, rel=1e-3)
+    assert far[2] == pytest.approx(expected, rel=1e-6)
 
 
 def test_loadtest_tells_detections_mixed_up_with_another_images_from_wrong_ones(

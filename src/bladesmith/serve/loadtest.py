@@ -52,6 +52,10 @@ class LoadRow:
     answered: int  # answers that equal the reference
     wrong: int  # answers that differ from the reference: mixed up or corrupted
     mixed_up: int  # of the wrong, those closer to another row's reference than to their own
+    # Of the wrong, the largest distance from their own row's reference (a detector's:
+    # 1 - F1 of the detections; else the largest absolute difference); 0 when none.
+    # Rounding noise stays near 0; a detector's answer to another image is near 1.
+    farthest: float
     failed: int  # errors and timeouts
     seconds: float
     throughput: float  # answered requests per second
@@ -116,10 +120,10 @@ def _run(job, rows, concurrency, requests, processes, probe: Client) -> LoadRow:
         results = _judged(job, _send(job, rows, shares[0], threads[0], None))
     else:
         results = _in_processes(job, shares, threads)
-    outcomes = [outcome for outcome, _, _ in results]
+    outcomes = [outcome for outcome, *_ in results]
     answered = outcomes.count("answered")
-    seconds = max(end for *_, end in results) - min(start for _, start, _ in results)
-    latencies = np.array([end - start for _, start, end in results]) * 1e3
+    seconds = max(end for _, _, end, _ in results) - min(start for _, start, *_ in results)
+    latencies = np.array([end - start for _, start, end, _ in results]) * 1e3
     p50, p90, p99 = np.percentile(latencies, [50, 90, 99])
     served = probe.statistics() - before
     executions, served_requests = max(served.executions, 1), max(served.requests, 1)
@@ -129,6 +133,7 @@ def _run(job, rows, concurrency, requests, processes, probe: Client) -> LoadRow:
         answered=answered,
         wrong=outcomes.count("wrong") + outcomes.count("mixed up"),
         mixed_up=outcomes.count("mixed up"),
+        farthest=round(max((far for *_, far in results if far is not None), default=0.0), 4),
         failed=outcomes.count("failed"),
         seconds=round(seconds, 3),
         throughput=round(answered / seconds, 2),
@@ -221,24 +226,24 @@ def _send(job: _Job, rows, share: list[int], threads: int, barrier) -> list[tupl
 
 def _judged(job: _Job, results: list[tuple]) -> list[tuple]:
     """Per request: "answered" (equal to its row's reference), "wrong", "mixed up" (wrong,
-    and closer to another row's reference than to its own) or "failed", and when it
-    started and ended."""
+    and closer to another row's reference than to its own) or "failed", when it started
+    and ended, and a wrong answer's distance from its row's reference (else None)."""
     same = comparison(job.compute_dtype)
     judged = []
     for row, answer, start, end in results:
+        far = None
         if answer is None:
             outcome = "failed"
         elif same(answer, job.references[row], job.variants[row]):
             outcome = "answered"
         else:
-            outcome = "mixed up" if _mixed_up(answer, row, job.references) else "wrong"
-        judged.append((outcome, start, end))
+            far = distance(answer, job.references[row])
+            mixed = any(
+                distance(answer, other) < far for k, other in enumerate(job.references) if k != row
+            )
+            outcome = "mixed up" if mixed else "wrong"
+        judged.append((outcome, start, end, far))
     return judged
-
-
-def _mixed_up(answer: dict, row: int, references: list[dict]) -> bool:
-    own = distance(answer, references[row])
-    return any(distance(answer, other) < own for k, other in enumerate(references) if k != row)
 
 
 def _slot_variants(client: Client, rows: list[list[np.ndarray]]) -> list[list[dict]]:
@@ -304,15 +309,16 @@ def _only_model(url: str) -> str:
 def render(rows: list[LoadRow]) -> str:
     header = (
         f"{'concurrency':>11} {'requests':>8} {'answered':>8} {'wrong':>5} {'mixed up':>8} "
-        f"{'failed':>6} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} | server: "
+        f"{'farthest':>8} {'failed':>6} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
+        "| server: "
         f"{'batch':>6} {'queue ms':>8} {'compute ms':>10}"
     )
     lines = [header]
     for row in rows:
         lines.append(
             f"{row.concurrency:>11} {row.requests:>8} {row.answered:>8} {row.wrong:>5} "
-            f"{row.mixed_up:>8} {row.failed:>6} {row.throughput:>9.1f} {row.p50_ms:>8.2f} "
-            f"{row.p90_ms:>8.2f} {row.p99_ms:>8.2f} |         {row.batch:>6.2f} "
+            f"{row.mixed_up:>8} {row.farthest:>8.4g} {row.failed:>6} {row.throughput:>9.1f} "
+            f"{row.p50_ms:>8.2f} {row.p90_ms:>8.2f} {row.p99_ms:>8.2f} |         {row.batch:>6.2f} "
             f"{row.queue_ms:>8.2f} {row.compute_ms:>10.2f}"
         )
     return "\n".join(lines)
