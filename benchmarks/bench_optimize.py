@@ -101,6 +101,7 @@ class Timer:
         self.warmup, self.iters, self.device, self.batch = warmup, iters, device, batch
         self.model = model  # eager float32, whose detections are the reference
         self.noisy = None  # its detections under rounding noise, made when first needed
+        self.floor = None  # the lowest F1 of those against the model (see noise_floor)
 
     def __call__(self, name, fn, images, reference, build=False) -> dict:
         started = time.perf_counter()
@@ -125,13 +126,26 @@ class Timer:
                 if self.noisy is None:
                     runs = reference_under_noise(self.model, [(images,)])
                     self.noisy = [run[0] for run in runs]
+                    self.floor = noise_floor(reference, self.noisy)
                 comparison = compare_detections(reference, outputs, noisy=self.noisy)
+                row["noise_floor_f1"] = self.floor
             row["f1"] = comparison.f1
             row["strict_f1"] = comparison.strict_f1
             row["max_score_deviation"] = comparison.max_score_deviation
             row["accuracy"] = comparison.summary()
         print(f"{name}, batch {self.batch}: {timing.p50_ms:.3f} ms (p50)", flush=True)
         return row
+
+
+def noise_floor(reference, noisy) -> float:
+    """The lowest F1 of the model's own detections under rounding noise (``noisy``, each
+    with the others' flips excused) against its detections: where a chaotic model (a
+    random-weight R-CNN) puts optimize's gate, which judges a pass at that floor when
+    the runs differ in several detections (``engine.reference.Reference.noise_floor``)."""
+    return min(
+        compare_detections(reference, run, noisy=noisy[:i] + noisy[i + 1 :]).f1
+        for i, run in enumerate(noisy)
+    )
 
 
 def relate(rows: list[dict]) -> None:
