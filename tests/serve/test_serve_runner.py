@@ -13,6 +13,7 @@ from serve_testing import NET_BATCH, QUICK, tiny_net
 import bladesmith
 from bladesmith.artifact import OptimizedModule
 from bladesmith.errors import BladesmithError
+from bladesmith.serve.loadtest import DISTINCT_ROWS
 from bladesmith.serve.signature import BucketRunner, signature_of
 from engine_testing import cuda
 
@@ -454,20 +455,24 @@ def test_the_client_sends_images_as_the_server_takes_them():
 def test_a_detectors_test_rows_are_photographs_whose_answers_tell_rows_apart(detector_artifact):
     # Random pixels draw nearly the same detections from a detector whatever they are
     # (RetinaNet at 480x640: F1 0.73-0.8 between two rows), so the load test's and the
-    # runner's rows for a detector are views of photographs: another row's answer is
-    # then far from a row's own, and a mix-up cannot pass for rounding noise.
+    # runner's rows for a detector are distinct views of photographs: another row's
+    # answer is then far from a row's own, and a mix-up cannot pass for rounding noise.
     from bladesmith.serve.answers import distance
     from bladesmith.serve.signature import random_rows
 
     path, _ = detector_artifact
     runner = BucketRunner(bladesmith.load(path), image_dtype="uint8")
     [image] = runner.signature.inputs
-    views = random_rows(np.random.default_rng(0), image.dtype, (6, *image.dims), photos=True)
-    assert views.dtype == np.uint8 and views.shape == (6, *image.dims)
-    assert len({view.tobytes() for view in views}) == 6
+    # As many rows as the load test cycles through: views of one photograph among them.
+    count = DISTINCT_ROWS
+    views = random_rows(np.random.default_rng(0), image.dtype, (count, *image.dims), photos=True)
+    assert views.dtype == np.uint8 and views.shape == (count, *image.dims)
+    assert len({view.tobytes() for view in views}) == count
     answers = runner.answer([[view[None]] for view in views])
     assert all(int(answer["num_detections"].reshape(-1)[0]) > 0 for answer in answers)
     for i, answer in enumerate(answers):
         assert distance(answer, answer) == 0
         others = [distance(answer, other) for j, other in enumerate(answers) if j != i]
-        assert min(others) > 0.5, f"row {i}'s answer is close to another row's: {others}"
+        # Four times as far as any wrong answer from its own on the H200 (RetinaNet, float16:
+        # 1 - F1 at most 0.0285), where rows drawn one at a time had near copies.
+        assert min(others) > 0.12, f"row {i}'s answer is close to another row's: {others}"

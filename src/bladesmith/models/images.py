@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 # RGB photographs bundled with scikit-image; busy scenes first.
 _PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "retina", "hubble_deep_field")
+# Those whose views a detector tells apart: a star field looks alike at every scale.
+_VIEWED = _PHOTOS[:5]
 
 
 def photo(name: str = "astronaut") -> torch.Tensor:
@@ -53,22 +55,29 @@ def sample_images(
 
 
 def varied_photos(count: int, image_size: tuple[int, int], seed: int = 0) -> torch.Tensor:
-    """A batch [count, 3, H, W] of distinct views of the bundled photographs: each one
-    scaled by a random factor in [1, 1.5] over ``image_size`` (h, w), cropped at a random
-    place and mirrored at random, so that a detector's answers differ from view to view
-    (random pixels give nearly the same detections whatever the pixels)."""
+    """A batch [count, 3, H, W] of distinct views of the bundled photographs, so that a
+    detector's answers differ from view to view (random pixels give nearly the same
+    detections whatever the pixels). View i shows photograph i (cycling; all but the
+    star field), mirrored on every other round of them, scaled over ``image_size`` (h, w)
+    by a factor in [1, 1.5] and cropped at a random place. Views of one photograph and
+    mirroring take evenly spaced factors, at least 1/12 of the range apart for up to 120
+    views: each object's box differs in size between them, so no two are near copies
+    (drawn independently, two views could be)."""
     generator = torch.Generator().manual_seed(seed)
     height, width = image_size
+    pairs = 2 * len(_VIEWED)  # (photograph, mirrored or not)
+    steps = max(-(-count // pairs), 1)  # views of each pair, at most
+    offset = float(torch.rand((), generator=generator))  # where the factors start
     views = []
     for i in range(count):
-        scale = 1.0 + 0.5 * float(torch.rand((), generator=generator))
+        scale = 1.0 + 0.5 * (i // pairs + offset) / steps
         size = (round(height * scale), round(width * scale))
-        source = photo(_PHOTOS[(seed + i) % len(_PHOTOS)])[None]
+        source = photo(_VIEWED[i % len(_VIEWED)])[None]
         scaled = F.interpolate(source, size=size, mode="bilinear", antialias=True)[0]
         top = int(torch.randint(size[0] - height + 1, (), generator=generator))
         left = int(torch.randint(size[1] - width + 1, (), generator=generator))
         view = scaled[:, top : top + height, left : left + width]
-        if bool(torch.rand((), generator=generator) < 0.5):
+        if (i // len(_VIEWED)) % 2:
             view = view.flip(-1)
         views.append(view.clamp(0.0, 1.0))
     return torch.stack(views) if views else torch.empty(0, 3, height, width)

@@ -270,23 +270,28 @@ def _slot_variants(client: Client, rows: list[list[np.ndarray]]) -> list[list[di
 
 def _distinct_rows(client: Client, count: int, seed: int) -> list[list[np.ndarray]]:
     """``count`` requests of one random row each, like images: float32 in [0, 1), or
-    uint8; a detector's, views of photographs (``random_rows``)."""
+    uint8; a detector's, distinct views of photographs (``random_rows``, all drawn at
+    once). Where the server takes whole batches only, each request is one such batch."""
     for _, datatype, _ in client.inputs:
         if datatype not in _ROW_DTYPES:
             raise BladesmithError(f"loadtest: input type {datatype} is not supported")
     generator = np.random.default_rng(seed)
-    return [
-        [
+
+    def draw(rows: int | None) -> list[np.ndarray]:
+        return [
             random_rows(
                 generator,
                 _ROW_DTYPES[datatype],
-                [1, *shape[1:]] if client.max_batch else shape,
+                [rows, *shape[1:]] if rows else shape,
                 client.detections,
             )
             for _, datatype, shape in client.inputs
         ]
-        for _ in range(count)
-    ]
+
+    if not client.max_batch:
+        return [draw(None) for _ in range(count)]
+    columns = draw(count)
+    return [[column[i : i + 1] for column in columns] for i in range(count)]
 
 
 def _only_model(url: str) -> str:

@@ -278,9 +278,9 @@ def random_rows(
     generator: np.random.Generator, dtype: np.dtype, shape, photos: bool = False
 ) -> np.ndarray:
     """Random rows of a served input, like images: uint8 in [0, 255], else float32 in
-    [0, 1). With ``photos`` (a detector's images, [N, 3, H, W]), distinct views of real
-    photographs: a detector answers random pixels with nearly the same detections
-    whatever they are, so one row's answer could pass for another's."""
+    [0, 1). With ``photos`` (a detector's images, [N, 3, H, W]), N distinct views of
+    real photographs (``varied_photos``): a detector answers random pixels with nearly
+    the same detections whatever they are, so one row's answer could pass for another's."""
     if photos and len(shape) == 4 and shape[1] == 3:
         from bladesmith.models.images import varied_photos
 
