@@ -43,6 +43,7 @@ from bladesmith.models.images import sample_images
 
 BUILDERS = {
     "retinanet": lambda size: build_retinanet(size),
+    "retinanet_v2": lambda size: build_retinanet(size, backbone="resnet50_v2"),
     "fcos": lambda size: build_fcos(size),
     "ssd300": lambda size: build_ssd("ssd300_vgg16"),
     "ssdlite": lambda size: build_ssd("ssdlite320_mobilenet_v3_large"),

@@ -125,3 +125,22 @@ def test_half_network_keeps_float32_postprocessing(model):
     with torch.no_grad():
         boxes, scores, _, _ = pipeline(sample_images(1, (48, 80), dtype=torch.bfloat16))
     assert boxes.dtype == torch.float32 and scores.dtype == torch.float32
+
+
+def test_the_v2_builtin_is_torchvisions_v2_and_its_pipeline_equals_it():
+    # retinanet_resnet50_fpn_v2: GroupNorm in both heads, P6 made from C5 (2048 channels).
+    from bladesmith.cli.models import model_or_file
+
+    v2 = model_or_file("torchvision:retinanet_resnet50_fpn_v2", SIZE, num_classes=5)
+    norms = [m for m in v2.head.modules() if isinstance(m, torch.nn.GroupNorm)]
+    assert norms and v2.backbone.fpn.extra_blocks.p6.in_channels == 2048
+    pipeline = RetinaNetPipeline(v2, SIZE)
+    images = sample_images(2, SIZE)
+    counts = pipeline.candidates_per_level(images)
+    assert all(c >= min(1200, n * 5) for c, n in zip(counts, pipeline.level_sizes))
+    with torch.no_grad():
+        reference = v2(list(images))
+        as_list = DetectionsAsList(pipeline)(list(images))
+    assert min(len(image["scores"]) for image in reference) >= 50
+    result = compare_detections(reference, as_list, iou_threshold=0.99, min_f1=0.99)
+    assert result.passed, result.summary()

@@ -11,6 +11,7 @@ BUILTIN_MODELS = {
     # name -> build_retinanet(backbone=...)
     "torchvision:retinanet_resnet50_fpn": "resnet50",
     "torchvision:retinanet_resnet18_fpn": "resnet18",  # same detector, a lighter backbone
+    "torchvision:retinanet_resnet50_fpn_v2": "resnet50_v2",
 }
 # The other torchvision detectors: name -> (families module, variant). Random weights
 # calibrated to a trained model's load (see each module's builder), or --weights.

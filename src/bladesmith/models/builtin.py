@@ -14,7 +14,8 @@ from bladesmith.families.detection_steps import check_image_size
 from bladesmith.families.retinanet import RetinaNetPipeline
 from bladesmith.models.weights import load_weights
 
-BACKBONES = ("resnet50", "resnet18")
+# resnet50_v2: torchvision's retinanet_resnet50_fpn_v2 (GroupNorm in the heads, P6 from C5).
+BACKBONES = ("resnet50", "resnet18", "resnet50_v2")
 # Each level of a realistically loaded model keeps at least this many candidates over
 # the score threshold (a trained RetinaNet on a busy image keeps well over 1,000).
 _REALISTIC_CANDIDATES = 1200
@@ -38,7 +39,7 @@ def build_retinanet(
     for a trained model on a busy image.
     """
     from torchvision.models import resnet18
-    from torchvision.models.detection import retinanet_resnet50_fpn
+    from torchvision.models.detection import retinanet_resnet50_fpn, retinanet_resnet50_fpn_v2
     from torchvision.models.detection.backbone_utils import _resnet_fpn_extractor
     from torchvision.models.detection.retinanet import RetinaNet
     from torchvision.ops.feature_pyramid_network import LastLevelP6P7
@@ -50,10 +51,9 @@ def build_retinanet(
     sizes = {"min_size": min(height, width), "max_size": max(height, width)}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if backbone == "resnet50":
-            model = retinanet_resnet50_fpn(
-                weights=None, weights_backbone=None, num_classes=num_classes, **sizes
-            )
+        if backbone in ("resnet50", "resnet50_v2"):
+            build = retinanet_resnet50_fpn if backbone == "resnet50" else retinanet_resnet50_fpn_v2
+            model = build(weights=None, weights_backbone=None, num_classes=num_classes, **sizes)
         else:
             body = _resnet_fpn_extractor(
                 resnet18(), 5, returned_layers=[2, 3, 4], extra_blocks=LastLevelP6P7(256, 256)
