@@ -12,7 +12,9 @@
 # for one family (retinanet, fcos, ssd300, ...) at the batch sizes in $FAMILY_BATCHES
 # (default 1), in a process of its own. bench-serve* serve with $SERVE_INSTANCES instances
 # (default 2) at the concurrencies $SERVE_CONCURRENCY (default 1,8,32,128), batching
-# requests for up to $SERVE_DELAY_US microseconds (default 2000). A step written NAME:SECONDS is stopped after
+# requests for up to $SERVE_DELAY_US microseconds (default 2000). probe-rcnn probes
+# $RCNN_FAMILY (default faster_rcnn) in float32, then with the passes $RCNN_PASSES
+# (default fixed_shape,fp16,channels_last,conv_fusion). A step written NAME:SECONDS is stopped after
 # that many seconds (its log so far is kept), so that a call to a machine with a time
 # limit still returns every step's log.
 set -uo pipefail
@@ -78,11 +80,12 @@ for s in $steps; do
             --json "$out/bench_families.json" ;;
         family-*) step "$s" python3 benchmarks/bench_families.py --families "${s#family-}" \
             --batches ${FAMILY_BATCHES:-1} --warmup 5 --iters 25 --json "$out/$s.json" ;;
-        probe-rcnn)  # Faster R-CNN's stages, float32 then as o1 kept it
-            step probe-rcnn-fp32 python3 benchmarks/probe_rcnn.py --passes fixed_shape
-            mv -f "$out/rcnn_kernels.txt" "$out/rcnn_kernels_fp32.txt" 2>/dev/null
-            step probe-rcnn-fp16 python3 benchmarks/probe_rcnn.py \
-                --passes fixed_shape,fp16,channels_last,conv_fusion ;;
+        probe-rcnn)  # an R-CNN's stages, float32 then with the passes o1 kept
+            family=${RCNN_FAMILY:-faster_rcnn}
+            step probe-rcnn-$family-fp32 python3 benchmarks/probe_rcnn.py --family $family \
+                --passes fixed_shape
+            step probe-rcnn-$family-fp16 python3 benchmarks/probe_rcnn.py --family $family \
+                --passes ${RCNN_PASSES:-fixed_shape,fp16,channels_last,conv_fusion} ;;
         probe-serve-batches) step probe-serve-batches python3 benchmarks/probe_serve_batches.py ;;
         probe-serve-host)
             [ -f /tmp/rn32.pt ] || serve_artifact

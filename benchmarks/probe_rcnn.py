@@ -7,7 +7,7 @@ passes named applied in order. Each stage is captured as a CUDA graph of its own
 replayed (device time without launch overhead): the backbone, the RPN head, the whole
 proposal step, RoI pooling, the box head, the whole detection step and the whole call.
 Then each kernel's device time in one uncaptured call, by the op that launched it, the
-top 30 printed (all into $OUT/rcnn_kernels.txt).
+top 30 printed (all into $OUT/rcnn_kernels_FAMILY_DTYPE.txt).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ SIZE = (480, 640)
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--family", default="faster_rcnn", choices=["faster_rcnn", "mask_rcnn"])
+    rcnns = [name for name in BUILDERS if "rcnn" in name]
+    parser.add_argument("--family", default="faster_rcnn", choices=rcnns)
     parser.add_argument("--passes", default="fixed_shape,fp16,channels_last,conv_fusion")
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -66,7 +67,7 @@ def main() -> None:
         }
         for name, fn in stages.items():
             print(f"{name:<28} {replay_us(fn):9.1f} us", flush=True)
-        kernels(lambda: pipe(x))
+        kernels(lambda: pipe(x), f"{args.family}_{str(dtype).removeprefix('torch.')}")
 
 
 def replay_us(fn, iters: int = 50) -> float:
@@ -99,7 +100,7 @@ def op_of(event):
     return event
 
 
-def kernels(fn, calls: int = 5) -> None:
+def kernels(fn, tag: str, calls: int = 5) -> None:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -117,7 +118,7 @@ def kernels(fn, calls: int = 5) -> None:
     ranked = sorted(rows.items(), key=lambda r: -r[1])
     print(f"uncaptured call: {sum(rows.values()):.1f} us of kernels, {len(ranked)} kinds")
     out = os.environ.get("OUT", "/tmp")
-    with open(f"{out}/rcnn_kernels.txt", "w") as f:
+    with open(f"{out}/rcnn_kernels_{tag}.txt", "w") as f:
         for (kernel, op, shapes), us in ranked:
             f.write(f"{us:8.1f}  {kernel}  | {op} {shapes}\n")
     for (kernel, op, shapes), us in ranked[:30]:
