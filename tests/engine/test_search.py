@@ -155,6 +155,27 @@ def test_levels_devices_include_and_exclude_decide_what_runs():
     assert statuses(report) == {"level_two": "kept"}
 
 
+class NotAsTorchScript(Faster):
+    name = "not_as_torchscript"
+    refuses_formats = {".pt": "it runs elsewhere"}
+
+
+def test_a_pass_whose_result_cannot_be_saved_as_asked_is_skipped_and_refuses_it():
+    _, spec, report = run([NotAsTorchScript()], config=QUICK.replace(save_as=".pt"))
+    (record,) = report.optimizations
+    assert record.status == "skipped"
+    assert "saved as .pt" in record.reason and "it runs elsewhere" in record.reason
+    assert spec.passes == ()
+
+    _, spec, report = run([NotAsTorchScript()], config=QUICK.replace(save_as=".onnx"))
+    assert statuses(report) == {"not_as_torchscript": "kept"}
+    assert spec.refused_formats[".pt"] == "it runs elsewhere"
+    assert ".pt" not in spec.save_formats
+
+    with pytest.raises(ValueError, match="Config.save_as must be one of"):
+        Config(save_as=".zip")
+
+
 class Rewriter(Faster):
     name = "rewriter"
     rewrites_modules = True

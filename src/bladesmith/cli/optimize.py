@@ -11,6 +11,7 @@ Only argparse is imported here; torch and the engine are imported when a command
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from bladesmith.cli.args import (
     add_library_options,
@@ -57,7 +58,8 @@ def add_parser(subparsers) -> None:
         "--out",
         type=output_file(*SAVE_SUFFIXES),
         metavar="PATH",
-        help="save the optimized model: .pt2 (AOTInductor) or .pt (TorchScript)",
+        help="save the optimized model: .pt2 (AOTInductor), .pt (TorchScript) or .onnx; "
+        "passes whose result cannot be saved in that format are skipped",
     )
     optimize.set_defaults(func=run_optimize)
 
@@ -76,7 +78,7 @@ def add_parser(subparsers) -> None:
         "--out",
         type=output_file(*SAVE_SUFFIXES),
         metavar="PATH",
-        help="save the optimized model (.pt2 or .pt)",
+        help="save the optimized model (.pt2, .pt or .onnx)",
     )
     demo.set_defaults(func=run_demo, model=DEFAULT_MODEL, weights=None)
 
@@ -164,6 +166,7 @@ def run_optimize(args: argparse.Namespace) -> int:
         include=tuple(args.include),
         exclude=tuple(args.exclude),
         progress=True,
+        save_as=Path(args.out).suffix if args.out else None,
     )
     try:
         optimized, spec, report = bladesmith.optimize(

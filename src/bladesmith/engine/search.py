@@ -224,7 +224,7 @@ def optimize(
             spec,
             optimized,
             context.test_args,
-            refused=backend.refuses_formats if backend else {},
+            refused=_refused_formats(passes, best),
             judge=lambda outputs: reference.compare(outputs, best.dtype, config),
             tolerance=reference.tolerance(best.dtype, config),
         )
@@ -374,10 +374,26 @@ def _below_bar(speedup: float) -> str:
     return f"{math.floor(speedup * 100) / 100:.2f}x"
 
 
+def _refused_formats(passes: list[Pass], best: Candidate) -> dict[str, str]:
+    """The save formats that a pass in the result refuses (suffix: why), the first
+    reason kept where several refuse one."""
+    refused: dict[str, str] = {}
+    for each in passes:
+        if each.name in best.applied:
+            for suffix, why in each.refuses_formats.items():
+                refused.setdefault(suffix, why)
+    return refused
+
+
 def _skip_reason(each: Pass, candidate: Candidate, context: Context) -> str | None:
     config = context.config
     if each.name in config.exclude:
         return "excluded by Config(exclude=...)"
+    if config.save_as in each.refuses_formats:
+        return (
+            f"the result is to be saved as {config.save_as} (Config(save_as=...), --out), "
+            f"which this pass's result cannot be: {each.refuses_formats[config.save_as]}"
+        )
     if context.level not in each.levels and each.name not in config.include:
         levels = ", ".join(each.levels)
         return f"not part of level {context.level} (it is in {levels}; or Config(include=...))"

@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
 from bladesmith.runtimes.torchscript import is_torchscript
+from bladesmith.spec import ONNX_SUFFIX
 from bladesmith.verify import dtype_name
 
 
@@ -63,6 +64,8 @@ def _cast(value, dtype: torch.dtype):
 
 
 NO_CPU_BF16 = "this CPU has no bfloat16 arithmetic (AVX512-BF16 or AMX): slower than float32"
+# bladesmith runs and checks a saved .onnx in ONNX Runtime on the CPU.
+NO_ONNX_BF16 = {ONNX_SUFFIX: "ONNX Runtime's CPU kernels take no bfloat16"}
 
 
 class Float16(Pass):
@@ -101,6 +104,7 @@ class BFloat16(Float16):
     name = "bf16"
     dtype = torch.bfloat16
     devices = ("cuda", "cpu")
+    refuses_formats = NO_ONNX_BF16
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if Float16.name in context.kept:
@@ -121,6 +125,7 @@ class _PartsInBFloat16(Pass):
     devices = ("cpu",)
     changes_precision = True
     rewrites_modules = True
+    refuses_formats = NO_ONNX_BF16
 
     def absent(self, module: nn.Module) -> str | None:
         """Why ``module`` has none of these layers, or None."""

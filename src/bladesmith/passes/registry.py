@@ -70,8 +70,10 @@ class Pass:
     # The save format (a suffix of ``bladesmith.spec``) whose file holds what this pass's
     # runner runs; when the pass builds the result's runner, that format is listed first.
     saves_as: ClassVar[str | None] = None
-    # Save formats that would not run what this pass built, each with why: saving them
-    # is refused rather than silently slower than what was measured.
+    # Save formats that would not run what this pass built, each with why: a result that
+    # kept the pass refuses them rather than save something slower than what was measured
+    # or something that does not run; with Config(save_as=...) one of them, the pass is
+    # skipped.
     refuses_formats: ClassVar[dict[str, str]] = {}
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
