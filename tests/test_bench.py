@@ -1,3 +1,4 @@
+import dataclasses
 import time
 
 import numpy as np
@@ -278,3 +279,18 @@ def test_compare_doubts_a_spread_out_run():
     speedup = bench.compare(jumpy, lambda: time.sleep(0.002), warmup=0, iters=10, rounds=2)
     assert not speedup.implausible
     assert any("the baseline's p90" in doubt for doubt in speedup.doubts), speedup
+
+
+def test_a_ratio_outside_the_rounds_interval_is_doubted():
+    """The ratio of the medians pools every round; the interval is the rounds' own
+    ratios': where the rounds disagree the two can part, and the figure says so."""
+    speedup = bench.compare(
+        lambda: time.sleep(0.002), lambda: time.sleep(0.001), warmup=0, iters=4, rounds=2
+    )
+    within = dataclasses.replace(speedup, ratio=speedup.high * 1.01)
+    inside, _ = bench._doubts(within, torch.device("cpu"))
+    assert not any("lies outside" in doubt for doubt in inside)
+    parted = dataclasses.replace(speedup, ratio=speedup.high * 1.5)
+    doubts, implausible = bench._doubts(parted, torch.device("cpu"))
+    assert not implausible
+    assert any("lies outside the interval of the rounds' own ratios" in d for d in doubts)

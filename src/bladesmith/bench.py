@@ -351,6 +351,9 @@ def launch_floor_ms(device) -> float:
 _FLOORS: dict[str, float] = {}
 
 
+OUTSIDE_MARGIN = 1.02  # how far a ratio may sit outside its rounds' interval undoubted
+
+
 def _doubts(speedup: Speedup, device) -> tuple[tuple[str, ...], bool]:
     """What makes ``speedup``'s figures doubtful, and whether one makes it impossible."""
     doubts, implausible = [], False
@@ -374,6 +377,13 @@ def _doubts(speedup: Speedup, device) -> tuple[tuple[str, ...], bool]:
         doubts.append(
             f"{speedup.ratio:.1f}x is more than removing work can give on {device.type} "
             f"(above {cap:g}x): a timing artefact"
+        )
+    # A hair outside is rounding of two medians; a material gap is rounds that disagree.
+    if not speedup.low / OUTSIDE_MARGIN <= speedup.ratio <= speedup.high * OUTSIDE_MARGIN:
+        doubts.append(
+            f"the ratio of the medians over all rounds ({speedup.ratio:.2f}x) lies outside "
+            f"the interval of the rounds' own ratios [{speedup.low:.2f}-{speedup.high:.2f}]: "
+            "the rounds disagree (more rounds, Config(rounds=...), would settle it)"
         )
     loaded = speedup.load is not None and speedup.load >= 1.0
     cpu = speedup.cpu_ratio
