@@ -69,3 +69,19 @@ def test_the_demo_prints_a_line_per_pass_when_piped(tmp_path):
     assert any(line.startswith("bladesmith: kept fixed_shape: ") for line in lines), done.stderr
     assert "\r" not in done.stderr and "\x1b[" not in done.stderr
     assert "Overall" in done.stdout
+
+
+def test_a_result_in_doubt_says_so_on_its_line(capsys):
+    import dataclasses
+    import time
+
+    from bladesmith import bench
+    from bladesmith.engine.progress import Progress
+
+    progress = Progress(enabled=True)
+    progress.lines = True  # as when stderr is piped
+    speedup = bench.compare(lambda: time.sleep(0.001), lambda: None, warmup=0, iters=2)
+    progress.done(dataclasses.replace(speedup, doubts=()))
+    assert "in doubt" not in capsys.readouterr().err
+    progress.done(dataclasses.replace(speedup, doubts=("a timing artefact",)))
+    assert capsys.readouterr().err.rstrip().endswith("(in doubt: see the report's diagnosis)")

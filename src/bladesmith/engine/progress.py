@@ -79,6 +79,7 @@ class Progress:
             self._line(
                 f"result: {overall.baseline.p50_ms:.2f} ms -> {overall.candidate.p50_ms:.2f} ms "
                 f"(p50), {overall.describe()}"
+                + (" (in doubt: see the report's diagnosis)" if overall.doubts else "")
             )
 
     def _line(self, text: str) -> None:
