@@ -253,7 +253,6 @@ def test_an_operator_without_fake_kernel_rules_out_pt2_with_a_reason(library, tm
     torch.testing.assert_close(bladesmith.load(saved)(images), optimized(images))
 
 
-
 class LayersAfterTheOperator(nn.Module):
     """The operator inside the network: a convolution, a ReLU and a mean take its output,
     and each needs its input's dtype and rank to be translated."""
@@ -293,6 +292,7 @@ def test_layers_after_the_operator_export_and_run_in_onnx_runtime(registered, tm
     with torch.no_grad():
         torch.testing.assert_close(out, model(images), rtol=1e-4, atol=1e-5)
 
+
 @cuda
 def test_a_scripted_model_with_the_operator_takes_the_gpu_passes(library, model_file, tmp_path):
     import bladesmith
@@ -311,3 +311,27 @@ def test_a_scripted_model_with_the_operator_takes_the_gpu_passes(library, model_
     script = _compare_script(saved, model_file, shape=(4, 3, 64, 64), tolerance=1e-2)
     loaded = _run("-c", script, cwd=tmp_path)
     assert loaded.returncode == 0 and "same outputs" in loaded.stdout, loaded.stderr
+
+
+@pytest.mark.parametrize("form", ["eager", "traced"])
+def test_a_free_batch_stays_free_through_the_operator(registered, tmp_path, capfd, form):
+    import onnx
+
+    from bladesmith.runtimes.onnxruntime import cpu_runner, export_onnx
+
+    torch.manual_seed(0)
+    model = LayersAfterTheOperator().eval()
+    images = torch.rand(2, 3, 16, 16)
+    if form == "traced":  # its nodes carry the example's batch, 2
+        model = torch.jit.trace(model, images)
+    path = tmp_path / "free.onnx"
+    spec, nones = export_onnx(model, (images,), path)
+    (output,) = onnx.load(str(path)).graph.output
+    assert output.name == "output_0"
+    assert output.type.tensor_type.shape.dim[0].dim_param == "batch"
+    capfd.readouterr()
+    more = torch.rand(4, 3, 16, 16)
+    got = cpu_runner(path, spec, nones)(more)
+    assert "does not match" not in capfd.readouterr().err  # ONNX Runtime's shape warning
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(more), rtol=1e-4, atol=1e-5)

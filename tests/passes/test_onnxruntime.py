@@ -88,3 +88,43 @@ def test_onnxruntime_keeps_the_output_structure():
     out = OnnxRuntime().apply(candidate, context_for((x,)))(x)
     torch.testing.assert_close(out["double"], x * 2)
     torch.testing.assert_close(out["pair"][1], x.sum(dim=1))
+
+
+class OddOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x).mean((2, 3))
+        return y, None, {"label": y.argmax(1), "none": None, "positive": y > 0}
+
+
+def test_nones_among_the_outputs_come_back_in_place():
+    net = OddOutputs().eval()
+    candidate = built_on(net, torch.randn(2, 3, 8, 8))
+    x = torch.randn(3, 3, 8, 8)
+    scores, nothing, named = candidate(x)
+    with torch.no_grad():
+        expected = net(x)
+    assert nothing is None and named["none"] is None
+    torch.testing.assert_close(scores, expected[0], rtol=1e-4, atol=1e-5)
+    assert torch.equal(named["label"], expected[2]["label"])
+    assert torch.equal(named["positive"], expected[2]["positive"])
+
+
+def test_outputs_are_named_and_their_batch_is_free_like_the_inputs(tmp_path, capfd):
+    import onnx
+
+    from bladesmith.runtimes.onnxruntime import cpu_runner, export_onnx
+
+    net = OddOutputs().eval()
+    path = tmp_path / "odd.onnx"
+    spec, nones = export_onnx(net, (torch.randn(2, 3, 8, 8),), path)
+    assert nones == (1, 3)
+    outputs = onnx.load(str(path)).graph.output
+    assert [o.name for o in outputs] == ["output_0", "output_1", "output_2"]
+    assert {o.type.tensor_type.shape.dim[0].dim_param for o in outputs} == {"batch"}
+    capfd.readouterr()
+    cpu_runner(path, spec, nones)(torch.randn(5, 3, 8, 8))
+    assert "does not match" not in capfd.readouterr().err  # ONNX Runtime's shape warning
