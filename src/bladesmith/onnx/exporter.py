@@ -85,7 +85,14 @@ def _torch_export(
         torch.no_grad(),
         _mha_fastpath_off(),
     ):
-        custom_opsets = {**user_opsets, **custom_opsets}
+        # A domain the graph uses is declared at version 1 by the exporter itself; one
+        # declared here and unused makes torch warn on stderr ("Custom opset domain ...
+        # is not used"), so only other versions are declared.
+        custom_opsets = {
+            domain: version
+            for domain, version in {**user_opsets, **custom_opsets}.items()
+            if version != 1
+        }
         # The TorchScript exporter is chosen deliberately (see the module docstring).
         warnings.simplefilter("ignore", DeprecationWarning)
         try:
