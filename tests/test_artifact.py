@@ -74,6 +74,27 @@ def test_onnx_round_trip_keeps_the_output_structure(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["heads.onnx"]
 
 
+def test_a_saved_onnx_refuses_other_values_of_arguments_held_as_constants(tmp_path):
+    class Flags(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+
+        def forward(self, x, negate: bool):
+            y = self.linear(x)
+            return -y if negate else y
+
+    x = torch.randn(2, 4)
+    model = Flags().eval()
+    optimized, spec, _ = bladesmith.optimize(
+        model, device="cpu", test_data=[(x, True)], config=QUICK, passes=[]
+    )
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "flags.onnx"))
+    torch.testing.assert_close(loaded(x, True), model(x, True), rtol=1e-4, atol=1e-5)
+    with pytest.raises(BladesmithError, match="negate=False: .*exported with negate=True"):
+        loaded(x, False)  # it held negate=True: never the answer for True, silently
+
+
 def test_aoti_package_round_trip_on_cpu(tmp_path):
     optimized, spec, x = optimized_net()
     assert ".pt2" in spec.untried_formats  # minutes to build: save checks it instead

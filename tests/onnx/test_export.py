@@ -340,6 +340,35 @@ def test_export_of_a_plain_module_needs_no_custom_domain(tmp_path, capfd):
     assert "Custom opset domain" not in capfd.readouterr().err
 
 
+class Flags(torch.nn.Module):
+    """Non-tensor arguments, which the export holds as constants in the graph."""
+
+    def forward(self, x, negate: bool, repeat: int):
+        for _ in range(repeat):
+            x = x * 2
+        return -x if negate else x
+
+
+def test_a_session_refuses_other_values_of_arguments_the_export_held_as_constants(tmp_path):
+    x = torch.rand(2, 3)
+    path = export(Flags(), (x, True, 1), tmp_path / "flags.onnx")
+    ort_session = session(path, device="cpu")
+    assert [e["name"] for e in ort_session.baked_arguments] == ["negate", "repeat"]
+    (expected,) = ort_session(x)  # the tensors alone, as ever
+    torch.testing.assert_close(expected, -2 * x)
+    (same,) = ort_session(x, True, 1)  # or the module's own arguments
+    torch.testing.assert_close(same, expected)
+    with pytest.raises(
+        BladesmithError, match="negate=False: .*exported with negate=True"
+    ) as raised:
+        ort_session(x, False, 1)
+    assert "\n" not in str(raised.value)
+    with pytest.raises(BladesmithError, match="repeat=3: .*exported with repeat=1"):
+        ort_session(x, True, 3)
+    with pytest.raises(BladesmithError, match="negate=1: "):  # 1 is not True here
+        ort_session(x, 1, 1)
+
+
 def test_public_names_are_the_functions():
     import bladesmith.onnx.exporter as export_module  # noqa: F401  binds the submodule
 

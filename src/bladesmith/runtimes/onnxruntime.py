@@ -27,6 +27,8 @@ class OnnxRunner:
         self.none_outputs = tuple(none_outputs)
 
     def __call__(self, *args, **kwargs):
+        # A bool or number the export held as a constant must not silently answer for another.
+        self.session.check_arguments(args, kwargs)
         outputs = list(self.session(*_tensors((args, kwargs))))
         for index in self.none_outputs:  # ascending: each goes back where it was
             outputs.insert(index, None)
