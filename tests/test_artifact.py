@@ -169,6 +169,26 @@ def test_save_formats_are_those_saved_and_loaded_back_with_the_same_outputs(monk
     assert "outputs moved past tolerance" in spec.refused_formats[".pt"]
 
 
+def test_a_bfloat16_result_refuses_onnx_with_the_reason_and_how_to_exclude_it(monkeypatch):
+    from bladesmith.engine import result
+    from bladesmith.spec import Spec
+
+    tried = []
+    monkeypatch.setattr(
+        result, "try_formats", lambda _, formats, *rest: (tried.extend(formats) or (), {})
+    )
+    spec = Spec(
+        "cpu", "bfloat16", ((1, 3, 8, 8),), "as_model", ("linear_bf16",), "eager", (".pt", ".onnx")
+    )
+    spec = result.with_tried_formats(spec, None, [], refused={}, judge=None, tolerance={})
+    assert tried == [".pt"]  # .onnx is not even tried
+    why = spec.refused_formats[".onnx"]
+    assert why.startswith("bfloat16 was kept (linear_bf16), and ONNX Runtime's CPU kernels")
+    assert "Config(exclude=('bf16', 'roi_heads_bf16', 'linear_bf16'))" in why
+    assert "--exclude bf16 --exclude roi_heads_bf16 --exclude linear_bf16" in why
+    assert "bladesmith bug" not in why
+
+
 class Doubled(torch.nn.Module):
     def __init__(self, inner):
         super().__init__()

@@ -369,6 +369,15 @@ def test_a_session_refuses_other_values_of_arguments_the_export_held_as_constant
         ort_session(x, 1, 1)
 
 
+def test_a_bfloat16_model_is_refused_as_the_models_choice_not_a_bug(tmp_path):
+    model = torch.nn.Conv2d(3, 4, 3).to(torch.bfloat16).eval()
+    with pytest.raises(BladesmithError, match="computes in bfloat16") as raised:
+        export(model, torch.zeros(1, 3, 8, 8, dtype=torch.bfloat16), tmp_path / "bf16.onnx")
+    message = str(raised.value)
+    assert "export the model in float32" in message and "bladesmith bug" not in message
+    assert "\n" not in message
+
+
 def test_public_names_are_the_functions():
     import bladesmith.onnx.exporter as export_module  # noqa: F401  binds the submodule
 

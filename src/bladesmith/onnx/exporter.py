@@ -228,6 +228,13 @@ def _finish(raw: Path, out: Path, external_data: bool | None, baked: list[dict])
             onnx.checker.check_model(model, full_check=True)
             onnx.save_model(model, str(out))
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        if "tensor(bfloat16)" in str(error):  # the model's choice, not a bug of ours
+            raise BladesmithError(
+                "the model computes in bfloat16, which some of its ONNX operators refuse "
+                f"({' '.join(str(error).split())[:200]}) and ONNX Runtime's CPU kernels do "
+                "not take: export the model in float32 (bladesmith.optimize: exclude the "
+                "bf16, roi_heads_bf16 and linear_bf16 passes)"
+            ) from error
         raise BladesmithError(
             f"the exported model fails ONNX's checker: {error}. This is a bladesmith bug if "
             "the model only uses torch and bladesmith operators: please report it"
