@@ -59,7 +59,7 @@ def test_onnx_round_trip_keeps_the_output_structure(tmp_path):
 
         def forward(self, x):
             y = self.conv(x)
-            return {"features": y, "pooled": (y.mean(dim=(2, 3)),)}
+            return {"features": y, "pooled": (y.mean(dim=(2, 3)), None)}
 
     x = torch.randn(2, 3, 8, 8)
     optimized, spec, _ = bladesmith.optimize(
@@ -70,7 +70,29 @@ def test_onnx_round_trip_keeps_the_output_structure(tmp_path):
     expected, got = optimized(x), loaded(x)
     torch.testing.assert_close(got["features"], expected["features"], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got["pooled"][0], expected["pooled"][0], rtol=1e-4, atol=1e-5)
+    assert got["pooled"][1] is None  # ONNX has no output for it: put back in place
     assert sorted(p.name for p in tmp_path.iterdir()) == ["heads.onnx"]
+
+
+def test_a_saved_onnx_refuses_other_values_of_arguments_held_as_constants(tmp_path):
+    class Flags(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+
+        def forward(self, x, negate: bool):
+            y = self.linear(x)
+            return -y if negate else y
+
+    x = torch.randn(2, 4)
+    model = Flags().eval()
+    optimized, spec, _ = bladesmith.optimize(
+        model, device="cpu", test_data=[(x, True)], config=QUICK, passes=[]
+    )
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "flags.onnx"))
+    torch.testing.assert_close(loaded(x, True), model(x, True), rtol=1e-4, atol=1e-5)
+    with pytest.raises(BladesmithError, match="negate=False: .*exported with negate=True"):
+        loaded(x, False)  # it held negate=True: never the answer for True, silently
 
 
 def test_aoti_package_round_trip_on_cpu(tmp_path):
@@ -145,6 +167,26 @@ def test_save_formats_are_those_saved_and_loaded_back_with_the_same_outputs(monk
     _, spec, _ = optimized_net()
     assert ".pt" not in spec.save_formats
     assert "outputs moved past tolerance" in spec.refused_formats[".pt"]
+
+
+def test_a_bfloat16_result_refuses_onnx_with_the_reason_and_how_to_exclude_it(monkeypatch):
+    from bladesmith.engine import result
+    from bladesmith.spec import Spec
+
+    tried = []
+    monkeypatch.setattr(
+        result, "try_formats", lambda _, formats, *rest: (tried.extend(formats) or (), {})
+    )
+    spec = Spec(
+        "cpu", "bfloat16", ((1, 3, 8, 8),), "as_model", ("linear_bf16",), "eager", (".pt", ".onnx")
+    )
+    spec = result.with_tried_formats(spec, None, [], refused={}, judge=None, tolerance={})
+    assert tried == [".pt"]  # .onnx is not even tried
+    why = spec.refused_formats[".onnx"]
+    assert why.startswith("bfloat16 was kept (linear_bf16), and ONNX Runtime's CPU kernels")
+    assert "Config(exclude=('bf16', 'roi_heads_bf16', 'linear_bf16'))" in why
+    assert "--exclude bf16 --exclude roi_heads_bf16 --exclude linear_bf16" in why
+    assert "bladesmith bug" not in why
 
 
 class Doubled(torch.nn.Module):

@@ -383,11 +383,17 @@ def _write_onnx(module, args: tuple, path: Path, metadata: dict) -> None:
     ONNX's flat list of outputs is unflattened into."""
     import onnx
 
-    output_spec = export_onnx(module, args, path)
+    output_spec, none_outputs = export_onnx(module, args, path)
     model = onnx.load(str(path))
     entry = model.metadata_props.add()
     entry.key = METADATA_KEY
-    entry.value = json.dumps({**metadata, "output_spec": pytree.treespec_dumps(output_spec)})
+    entry.value = json.dumps(
+        {
+            **metadata,
+            "output_spec": pytree.treespec_dumps(output_spec),
+            "none_outputs": list(none_outputs),
+        }
+    )
     onnx.save(model, str(path))
 
 
@@ -398,8 +404,9 @@ def _read_onnx(path: Path) -> tuple[Callable, str | None]:
     metadata = next((p.value for p in properties if p.key == METADATA_KEY), None)
     if metadata is None:
         return None, None
-    output_spec = pytree.treespec_loads(json.loads(metadata)["output_spec"])
-    return cpu_runner(path, output_spec), metadata
+    info = json.loads(metadata)
+    output_spec = pytree.treespec_loads(info["output_spec"])
+    return cpu_runner(path, output_spec, tuple(info.get("none_outputs", ()))), metadata
 
 
 def _load_custom_ops() -> Exception | None:

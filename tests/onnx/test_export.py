@@ -333,9 +333,49 @@ def test_bad_arguments_say_what_is_accepted(tmp_path, kwargs, message):
         export(torch.nn.Identity(), torch.zeros(1), tmp_path / "m.pt")
 
 
-def test_export_of_a_plain_module_needs_no_custom_domain(tmp_path):
+def test_export_of_a_plain_module_needs_no_custom_domain(tmp_path, capfd):
     path = export(torch.nn.Linear(3, 2).eval(), torch.zeros(1, 3), tmp_path / "linear.onnx")
     assert [o.domain for o in onnx.load(path).opset_import] == [""]
+    # No domain is declared that the graph does not use: torch warned on every export.
+    assert "Custom opset domain" not in capfd.readouterr().err
+
+
+class Flags(torch.nn.Module):
+    """Non-tensor arguments, which the export holds as constants in the graph."""
+
+    def forward(self, x, negate: bool, repeat: int):
+        for _ in range(repeat):
+            x = x * 2
+        return -x if negate else x
+
+
+def test_a_session_refuses_other_values_of_arguments_the_export_held_as_constants(tmp_path):
+    x = torch.rand(2, 3)
+    path = export(Flags(), (x, True, 1), tmp_path / "flags.onnx")
+    ort_session = session(path, device="cpu")
+    assert [e["name"] for e in ort_session.baked_arguments] == ["negate", "repeat"]
+    (expected,) = ort_session(x)  # the tensors alone, as ever
+    torch.testing.assert_close(expected, -2 * x)
+    (same,) = ort_session(x, True, 1)  # or the module's own arguments
+    torch.testing.assert_close(same, expected)
+    with pytest.raises(
+        BladesmithError, match="negate=False: .*exported with negate=True"
+    ) as raised:
+        ort_session(x, False, 1)
+    assert "\n" not in str(raised.value)
+    with pytest.raises(BladesmithError, match="repeat=3: .*exported with repeat=1"):
+        ort_session(x, True, 3)
+    with pytest.raises(BladesmithError, match="negate=1: "):  # 1 is not True here
+        ort_session(x, 1, 1)
+
+
+def test_a_bfloat16_model_is_refused_as_the_models_choice_not_a_bug(tmp_path):
+    model = torch.nn.Conv2d(3, 4, 3).to(torch.bfloat16).eval()
+    with pytest.raises(BladesmithError, match="computes in bfloat16") as raised:
+        export(model, torch.zeros(1, 3, 8, 8, dtype=torch.bfloat16), tmp_path / "bf16.onnx")
+    message = str(raised.value)
+    assert "export the model in float32" in message and "bladesmith bug" not in message
+    assert "\n" not in message
 
 
 def test_public_names_are_the_functions():

@@ -135,6 +135,20 @@ def test_session_input_errors_name_the_inputs(tmp_path):
         ort_session.run(x, x)
 
 
+def test_session_refuses_another_shape_or_dtype_in_one_line_saying_what_it_was_exported_for(
+    tmp_path,
+):
+    ort_session = session(_affine_model(tmp_path / "affine.onnx"), device="cpu")
+    with pytest.raises(BladesmithError, match=r"input x: got shape \(4, 3\) float32") as raised:
+        ort_session.run(np.zeros((4, 3), np.float32))
+    assert "exported for (2, 3) float32" in str(raised.value)
+    assert "export it again" in str(raised.value) and "\n" not in str(raised.value)
+    with pytest.raises(BladesmithError, match=r"got shape \(2, 3\) float64.*\(2, 3\) float32"):
+        ort_session.run(np.zeros((2, 3), np.float64))
+    with pytest.raises(BladesmithError, match=r"got shape \(6,\)"):
+        ort_session.run(np.zeros(6, np.float32))
+
+
 def test_session_applies_the_plans_settings_and_reports_the_providers_kept(tmp_path, monkeypatch):
     import onnxruntime as ort
 

@@ -253,6 +253,46 @@ def test_an_operator_without_fake_kernel_rules_out_pt2_with_a_reason(library, tm
     torch.testing.assert_close(bladesmith.load(saved)(images), optimized(images))
 
 
+class LayersAfterTheOperator(nn.Module):
+    """The operator inside the network: a convolution, a ReLU and a mean take its output,
+    and each needs its input's dtype and rank to be translated."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Conv2d(3, 8, 3, padding=1)
+        self.second = nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.ops.userops_test.scale_clip(self.first(x), 2.0, 1.5)
+        return torch.relu(self.second(y)).mean((2, 3))
+
+
+@pytest.fixture
+def registered(library, monkeypatch):
+    """The operator's default ONNX translation, for this test only."""
+    from bladesmith.onnx import user_ops
+
+    monkeypatch.setattr(user_ops, "_TRANSLATIONS", {})
+    user_ops.register_op(OPERATOR)
+
+
+@pytest.mark.parametrize("form", ["eager", "scripted", "traced"])
+def test_layers_after_the_operator_export_and_run_in_onnx_runtime(registered, tmp_path, form):
+    from bladesmith.onnx import export, session
+
+    torch.manual_seed(0)
+    model = LayersAfterTheOperator().eval()
+    images = torch.rand(2, 3, 16, 16)
+    if form == "scripted":
+        model = torch.jit.script(model)
+    elif form == "traced":
+        model = torch.jit.trace(model, images)
+    path = export(model, (images,), tmp_path / "after.onnx")
+    (out,) = session(path, device="cpu")(images)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(images), rtol=1e-4, atol=1e-5)
+
+
 @cuda
 def test_a_scripted_model_with_the_operator_takes_the_gpu_passes(library, model_file, tmp_path):
     import bladesmith
@@ -271,3 +311,27 @@ def test_a_scripted_model_with_the_operator_takes_the_gpu_passes(library, model_
     script = _compare_script(saved, model_file, shape=(4, 3, 64, 64), tolerance=1e-2)
     loaded = _run("-c", script, cwd=tmp_path)
     assert loaded.returncode == 0 and "same outputs" in loaded.stdout, loaded.stderr
+
+
+@pytest.mark.parametrize("form", ["eager", "traced"])
+def test_a_free_batch_stays_free_through_the_operator(registered, tmp_path, capfd, form):
+    import onnx
+
+    from bladesmith.runtimes.onnxruntime import cpu_runner, export_onnx
+
+    torch.manual_seed(0)
+    model = LayersAfterTheOperator().eval()
+    images = torch.rand(2, 3, 16, 16)
+    if form == "traced":  # its nodes carry the example's batch, 2
+        model = torch.jit.trace(model, images)
+    path = tmp_path / "free.onnx"
+    spec, nones = export_onnx(model, (images,), path)
+    (output,) = onnx.load(str(path)).graph.output
+    assert output.name == "output_0"
+    assert output.type.tensor_type.shape.dim[0].dim_param == "batch"
+    capfd.readouterr()
+    more = torch.rand(4, 3, 16, 16)
+    got = cpu_runner(path, spec, nones)(more)
+    assert "does not match" not in capfd.readouterr().err  # ONNX Runtime's shape warning
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(more), rtol=1e-4, atol=1e-5)

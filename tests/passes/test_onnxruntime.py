@@ -88,3 +88,97 @@ def test_onnxruntime_keeps_the_output_structure():
     out = OnnxRuntime().apply(candidate, context_for((x,)))(x)
     torch.testing.assert_close(out["double"], x * 2)
     torch.testing.assert_close(out["pair"][1], x.sum(dim=1))
+
+
+class OddOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x).mean((2, 3))
+        return y, None, {"label": y.argmax(1), "none": None, "positive": y > 0}
+
+
+def test_nones_among_the_outputs_come_back_in_place():
+    net = OddOutputs().eval()
+    candidate = built_on(net, torch.randn(2, 3, 8, 8))
+    x = torch.randn(3, 3, 8, 8)
+    scores, nothing, named = candidate(x)
+    with torch.no_grad():
+        expected = net(x)
+    assert nothing is None and named["none"] is None
+    torch.testing.assert_close(scores, expected[0], rtol=1e-4, atol=1e-5)
+    assert torch.equal(named["label"], expected[2]["label"])
+    assert torch.equal(named["positive"], expected[2]["positive"])
+
+
+def test_outputs_are_named_and_their_batch_is_free_like_the_inputs(tmp_path, capfd):
+    import onnx
+
+    from bladesmith.runtimes.onnxruntime import cpu_runner, export_onnx
+
+    net = OddOutputs().eval()
+    path = tmp_path / "odd.onnx"
+    spec, nones = export_onnx(net, (torch.randn(2, 3, 8, 8),), path)
+    assert nones == (1, 3)
+    outputs = onnx.load(str(path)).graph.output
+    assert [o.name for o in outputs] == ["output_0", "output_1", "output_2"]
+    assert {o.type.tensor_type.shape.dim[0].dim_param for o in outputs} == {"batch"}
+    capfd.readouterr()
+    cpu_runner(path, spec, nones)(torch.randn(5, 3, 8, 8))
+    assert "does not match" not in capfd.readouterr().err  # ONNX Runtime's shape warning
+
+
+class Flags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x, negate: bool, repeat: int):
+        y = self.linear(x)
+        for _ in range(repeat):
+            y = y * 2
+        return -y if negate else y
+
+
+def test_non_tensor_arguments_skip_the_pass_with_the_values_named():
+    x = torch.randn(2, 4)
+    reason = OnnxRuntime().skip_reason(Candidate(Flags().eval(), CPU), context_for((x, True, 1)))
+    assert "non-tensor arguments (negate=True, repeat=1)" in reason
+
+
+def test_a_runner_exported_with_constant_arguments_refuses_other_values():
+    from bladesmith.errors import BladesmithError
+    from bladesmith.runtimes.onnxruntime import onnx_runner
+
+    net, x = Flags().eval(), torch.randn(2, 4)
+    runner = onnx_runner(net, (x, True, 1))
+    with torch.no_grad():
+        torch.testing.assert_close(runner(x, negate=True, repeat=1), net(x, True, 1))
+    with pytest.raises(BladesmithError, match="negate=False: .*exported with negate=True"):
+        runner(x, False, 1)
+    with pytest.raises(BladesmithError, match="repeat=2: .*exported with repeat=1"):
+        runner(x, True, repeat=2)
+    with pytest.raises(BladesmithError, match="^not given: .*exported with repeat=1"):
+        runner(x, True)
+
+
+def test_test_data_of_two_sizes_skips_the_pass_with_the_sizes():
+    net = mobilenet_v3_small(weights=None).eval()
+    context = context_for((torch.randn(2, 3, 32, 32),))
+    context.test_args.append((torch.randn(1, 3, 48, 48),))
+    reason = OnnxRuntime().skip_reason(Candidate(net, CPU), context)
+    assert "more than one size past the batch ((3, 32, 32) and (3, 48, 48))" in reason
+
+
+def test_another_image_size_is_refused_in_one_line_with_what_to_do():
+    from bladesmith.errors import BladesmithError
+
+    candidate = built_on(mobilenet_v3_small(weights=None), torch.randn(1, 3, 64, 64))
+    with pytest.raises(BladesmithError) as raised:
+        candidate(torch.randn(1, 3, 96, 96))
+    message = str(raised.value)
+    assert "got shape (1, 3, 96, 96) float32" in message
+    assert "exported for (batch, 3, 64, 64) float32" in message
+    assert "test data of this size" in message and "\n" not in message

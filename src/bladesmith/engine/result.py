@@ -98,6 +98,8 @@ def with_tried_formats(
             "bladesmith.save builds it, loads it back and checks its outputs"
         )
     refused = {suffix: why for suffix, why in refused.items() if suffix in spec.save_formats}
+    if spec.dtype == "bfloat16" and ONNX_SUFFIX in spec.save_formats:
+        refused.setdefault(ONNX_SUFFIX, bfloat16_onnx_reason(spec.passes))
     formats = [each for each in spec.save_formats if each not in untried and each not in refused]
     tried, failed = try_formats(optimized, formats, test_args, judge)
     return dataclasses.replace(
@@ -106,6 +108,18 @@ def with_tried_formats(
         untried_formats=untried,
         refused_formats={**refused, **failed},
         tolerance=tolerance,
+    )
+
+
+def bfloat16_onnx_reason(passes) -> str:
+    """Why a result that computes in bfloat16 is not saved as ONNX, and what to do."""
+    kept = [name for name in passes if "bf16" in name] or ["a bfloat16 pass"]
+    excluded = ("bf16", "roi_heads_bf16", "linear_bf16")
+    return (
+        f"bfloat16 was kept ({', '.join(kept)}), and ONNX Runtime's CPU kernels (and ONNX's "
+        "Conv) take no bfloat16: to save .onnx, optimize with the bfloat16 passes excluded "
+        f"(Config(exclude={excluded!r}); bladesmith optimize "
+        f"{' '.join(f'--exclude {name}' for name in excluded)})"
     )
 
 

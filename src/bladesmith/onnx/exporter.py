@@ -11,6 +11,7 @@ operators. The file is written next to its destination, shape-inferred and check
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import re
 import shutil
@@ -22,7 +23,7 @@ import torch
 
 from bladesmith._files import move_into_place
 from bladesmith.errors import BladesmithError
-from bladesmith.onnx import symbolic, user_ops
+from bladesmith.onnx import runtime, symbolic, user_ops
 from bladesmith.ops import libraries
 
 # Protocol buffers cannot be serialised past 2 GiB; keep a margin for the graph itself.
@@ -67,7 +68,7 @@ def export(
     try:
         raw = workdir / "raw.onnx"
         _torch_export(model, args, raw, opset, custom_ops, input_names, output_names, dynamic_axes)
-        _finish(raw, workdir / path.name, external_data)
+        _finish(raw, workdir / path.name, external_data, baked_arguments(model, args))
         _move_into_place(workdir, path)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -85,7 +86,14 @@ def _torch_export(
         torch.no_grad(),
         _mha_fastpath_off(),
     ):
-        custom_opsets = {**user_opsets, **custom_opsets}
+        # A domain the graph uses is declared at version 1 by the exporter itself; one
+        # declared here and unused makes torch warn on stderr ("Custom opset domain ...
+        # is not used"), so only other versions are declared.
+        custom_opsets = {
+            domain: version
+            for domain, version in {**user_opsets, **custom_opsets}.items()
+            if version != 1
+        }
         # The TorchScript exporter is chosen deliberately (see the module docstring).
         warnings.simplefilter("ignore", DeprecationWarning)
         try:
@@ -110,6 +118,48 @@ def _torch_export(
             raise BladesmithError(user_ops.missing_translation_message(name)) from None
         except Exception as error:  # the exporter's own errors, re-said with what to do
             raise _export_error(error, opset) from error
+
+
+def baked_arguments(model, args: tuple) -> list[dict]:
+    """The non-tensor values among ``args`` (a bool, a number, a string, None), which the
+    export holds as constants in the graph: each with the argument it is (name, position,
+    path inside it), its value where JSON holds it, and how it reads."""
+    from torch.utils import _pytree as pytree
+
+    names = _parameter_names(model)
+    entries = []
+    for position, argument in enumerate(args):
+        parameter = names[position] if position < len(names) else None
+        for key_path, leaf in pytree.tree_flatten_with_path(argument)[0]:
+            if isinstance(leaf, torch.Tensor):
+                continue
+            path = pytree.keystr(key_path)
+            entry = {
+                "name": f"{parameter or f'argument {position}'}{path}",
+                "parameter": parameter,
+                "position": position,
+                "path": path,
+                "repr": runtime.describe_argument(leaf),
+            }
+            if leaf is None or isinstance(leaf, (bool, int, float, str)):
+                entry["value"] = leaf
+            entries.append(entry)
+    return entries
+
+
+def _parameter_names(model) -> list[str]:
+    """The names of ``model``'s positional parameters, as far as they are known."""
+    try:
+        if isinstance(model, torch.jit.ScriptModule):
+            return [argument.name for argument in model.forward.schema.arguments[1:]]
+        names = []
+        for parameter in inspect.signature(model.forward).parameters.values():
+            if parameter.kind not in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+                break
+            names.append(parameter.name)
+        return names
+    except (AttributeError, TypeError, ValueError):  # no signature to read
+        return []
 
 
 def _export_error(error: Exception, opset: int) -> BladesmithError:
@@ -140,8 +190,9 @@ def _mha_fastpath_off():
         torch.backends.mha.set_fastpath_enabled(enabled)
 
 
-def _finish(raw: Path, out: Path, external_data: bool | None) -> None:
-    """Shape-infer and check ``raw``, writing ``out`` (and ``out.data`` when external)."""
+def _finish(raw: Path, out: Path, external_data: bool | None, baked: list[dict]) -> None:
+    """Shape-infer and check ``raw``, writing ``out`` (and ``out.data`` when external),
+    with the ``baked`` arguments in its metadata."""
     import onnx
 
     model = onnx.load(str(raw))  # loads any external data the exporter wrote
@@ -149,6 +200,9 @@ def _finish(raw: Path, out: Path, external_data: bool | None) -> None:
     if custom_nodes is not None:
         entry = model.metadata_props.add()
         entry.key, entry.value = user_ops.METADATA_KEY, custom_nodes
+    if baked:  # the session refuses other values for them (runtime.Session)
+        entry = model.metadata_props.add()
+        entry.key, entry.value = runtime.baked_arguments_metadata(baked)
     if external_data is None:
         weight_bytes = sum(t.ByteSize() for t in model.graph.initializer)
         external_data = weight_bytes > _EXTERNAL_DATA_THRESHOLD
@@ -174,6 +228,13 @@ def _finish(raw: Path, out: Path, external_data: bool | None) -> None:
             onnx.checker.check_model(model, full_check=True)
             onnx.save_model(model, str(out))
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        if "tensor(bfloat16)" in str(error):  # the model's choice, not a bug of ours
+            raise BladesmithError(
+                "the model computes in bfloat16, which some of its ONNX operators refuse "
+                f"({' '.join(str(error).split())[:200]}) and ONNX Runtime's CPU kernels do "
+                "not take: export the model in float32 (bladesmith.optimize: exclude the "
+                "bf16, roi_heads_bf16 and linear_bf16 passes)"
+            ) from error
         raise BladesmithError(
             f"the exported model fails ONNX's checker: {error}. This is a bladesmith bug if "
             "the model only uses torch and bladesmith operators: please report it"

@@ -131,19 +131,30 @@ class Session:
     ``run(*inputs, **named)`` returns numpy arrays, as ONNX Runtime does; calling the
     session returns torch tensors, as the module it was exported from would (on the
     CPU). ``providers`` lists the providers ONNX Runtime actually kept, best first.
+    Inputs are checked against the shapes and dtypes the model was exported for.
+    A model exported with non-tensor arguments (``forward(x, flip: bool)``) holds their
+    values as constants (``baked_arguments``): it may also be called with all of the
+    module's positional arguments, and refuses values other than those.
     """
 
     def __init__(self, inference_session, plan: ProviderPlan):
         self.inference_session = inference_session
         self.plan = plan
-        self.input_names = [i.name for i in inference_session.get_inputs()]
+        self.inputs = inference_session.get_inputs()
+        self.input_names = [i.name for i in self.inputs]
         self.output_names = [o.name for o in inference_session.get_outputs()]
+        self.baked_arguments = _baked_arguments(inference_session)
 
     @property
     def providers(self) -> list[str]:
         return self.inference_session.get_providers()
 
     def run(self, *inputs, **named) -> list:
+        if self.baked_arguments and (
+            len(inputs) > len(self.input_names) or not all(map(_is_array, inputs))
+        ):  # the module's own arguments: check the baked ones, then drop them
+            self.check_arguments(inputs)
+            inputs = tuple(_arrays(inputs))
         if len(inputs) > len(self.input_names):
             raise BladesmithError(
                 f"the model takes {len(self.input_names)} inputs ({', '.join(self.input_names)})"
@@ -160,9 +171,25 @@ class Session:
         missing = [name for name in self.input_names if name not in feeds]
         if missing:
             raise BladesmithError(f"missing inputs: {', '.join(missing)}")
-        return self.inference_session.run(
-            None, {name: _to_numpy(value) for name, value in feeds.items()}
-        )
+        arrays = {name: _to_numpy(value) for name, value in feeds.items()}
+        for expected in self.inputs:
+            _check_input(expected, arrays[expected.name])
+        return self.inference_session.run(None, arrays)
+
+    def check_arguments(self, args: tuple, kwargs: dict | None = None) -> None:
+        """Refuse, in one line, a call of the exported module whose non-tensor
+        arguments differ from those its graph holds as constants."""
+        for entry in self.baked_arguments:
+            got = _argument(entry, args, kwargs or {})
+            if not _same(entry, got):
+                name = entry["name"]
+                given = "not given" if got is _MISSING else f"{name}={_describe(got)}"
+                raise BladesmithError(
+                    f"{given}: this ONNX model was exported with {name}={entry['repr']}, "
+                    "which its graph holds as a constant (it would answer as if for that "
+                    f"value); call it with {name}={entry['repr']}, or export it again with "
+                    "the value you need (bladesmith.optimize: test data that passes it)"
+                )
 
     def __call__(self, *inputs, **named):
         import torch
@@ -171,6 +198,113 @@ class Session:
 
     def __repr__(self) -> str:
         return f"Session(providers={self.providers}, inputs={self.input_names})"
+
+
+# ONNX Runtime's input types -> numpy dtype names (bfloat16 has none in numpy)
+_NUMPY_TYPES = {
+    "tensor(float)": "float32",
+    "tensor(double)": "float64",
+    "tensor(float16)": "float16",
+    "tensor(int64)": "int64",
+    "tensor(int32)": "int32",
+    "tensor(int16)": "int16",
+    "tensor(int8)": "int8",
+    "tensor(uint8)": "uint8",
+    "tensor(bool)": "bool",
+}
+
+
+def _check_input(expected, array) -> None:
+    """One line, before ONNX Runtime's multi-line refusal, when ``array`` is not of the
+    shape (its free dimensions aside) and dtype that input ``expected`` was exported for."""
+    want_dtype = _NUMPY_TYPES.get(expected.type)
+    shape = expected.shape
+    fits = len(shape) == array.ndim and all(
+        not isinstance(size, int) or size == got for size, got in zip(shape, array.shape)
+    )
+    if fits and (want_dtype is None or array.dtype.name == want_dtype):
+        return
+    exported = ", ".join(str(size) if isinstance(size, int) else str(size or "?") for size in shape)
+    free = [str(size or "?") for size in shape if not isinstance(size, int)]
+    sizes = (
+        f"({', '.join(free)} free, the other sizes fixed by the export)"
+        if free
+        else "(every size fixed by the export)"
+    )
+    raise BladesmithError(
+        f"input {expected.name}: got shape {tuple(array.shape)} {array.dtype.name}, but this "
+        f"ONNX model was exported for ({exported}) {want_dtype or expected.type} {sizes}: "
+        "pass inputs of that shape and dtype, or export it again with inputs like these "
+        "(bladesmith.optimize: test data of this size)"
+    )
+
+
+_METADATA_KEY = "bladesmith.baked_arguments"
+_MISSING = object()
+
+
+def baked_arguments_metadata(entries: list[dict]) -> tuple[str, str]:
+    """The metadata entry (key, value) that records ``entries`` in an ONNX file."""
+    import json
+
+    return _METADATA_KEY, json.dumps(entries)
+
+
+def _baked_arguments(inference_session) -> list[dict]:
+    import json
+
+    meta = getattr(inference_session, "get_modelmeta", None)
+    recorded = meta().custom_metadata_map.get(_METADATA_KEY) if meta else None
+    return json.loads(recorded) if recorded else []
+
+
+def _argument(entry: dict, args: tuple, kwargs: dict):
+    """The value a call gives for the baked argument ``entry``, or _MISSING."""
+    position, parameter = entry["position"], entry.get("parameter")
+    if position < len(args):
+        value = args[position]
+    elif parameter is not None and parameter in kwargs:
+        value = kwargs[parameter]
+    else:
+        return _MISSING
+    if not entry["path"]:
+        return value
+    from torch.utils import _pytree as pytree
+
+    leaves = pytree.tree_flatten_with_path(value)[0]
+    return next((leaf for path, leaf in leaves if pytree.keystr(path) == entry["path"]), _MISSING)
+
+
+def _same(entry: dict, got) -> bool:
+    if got is _MISSING or _is_array(got):
+        return False
+    if "value" in entry:
+        want = entry["value"]
+        plain = got is None or isinstance(got, (bool, int, float, str))
+        return plain and isinstance(got, bool) == isinstance(want, bool) and got == want
+    return _describe(got) == entry["repr"]
+
+
+def describe_argument(value) -> str:
+    """A value as one short line: a tensor by its shape, anything else by its repr."""
+    return _describe(value)
+
+
+def _describe(value) -> str:
+    if _is_array(value):
+        return f"a tensor of shape {tuple(value.shape)}"
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def _is_array(value) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+def _arrays(tree) -> list:
+    from torch.utils import _pytree as pytree
+
+    return [leaf for leaf in pytree.tree_leaves(tree) if _is_array(leaf)]
 
 
 def _to_numpy(value):

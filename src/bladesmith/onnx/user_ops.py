@@ -174,19 +174,88 @@ def _symbolic(entry: Translation, schema) -> Callable:
             result = g.onnxscript_op(entry.onnxscript, *tensors, outputs=outputs, **attributes)
         else:
             result = g.op(f"{DOMAIN}::{entry.op_type}", *tensors, outputs=outputs, **attributes)
-        _set_types(g, result)
+        _set_types(g, result, entry.name, schema, values)
         return result
 
     return translate
 
 
-def _set_types(g, result) -> None:
-    """The traced node's output types on the new outputs, where the tracer knew them."""
-    values = result if isinstance(result, (list, tuple)) else (result,)
-    for index, value in enumerate(values):
+def _set_types(g, result, name: str, schema, values) -> None:
+    """Give the new outputs their types, so that the nodes after them can be translated
+    (a later convolution or reduction needs its input's dtype) and the file declares
+    them: the operator's own kernel run on stand-ins for its inputs, else the traced
+    node's types where the tracer knew them."""
+    outputs = result if isinstance(result, (list, tuple)) else (result,)
+    ran = _kernel_types(name, schema, values)
+    for index, value in enumerate(outputs):
+        if ran is not None and index < len(ran):
+            value.setType(ran[index])
+            continue
         known = g.original_node.outputsAt(index).type()
         if known.kind() == "TensorType" and known.scalarType() is not None:
             value.setType(known)
+
+
+def _kernel_types(name: str, schema, values) -> list | None:
+    """The output types of operator ``name`` called on tensors of its inputs' types
+    (dtype and sizes as ONNX inferred them so far), or None when those are unknown or
+    the kernel refuses the stand-ins. A size the export leaves free (the batch) is
+    tried at two values: the output dimensions that follow it are left free too, the
+    others keep their size. A traced node's sizes would be the example's, which
+    declared outputs of a free batch with the test batch (ONNX Runtime warns on every
+    other batch); a scripted model's nodes have no types at all."""
+    tensor_types = {}
+    for index, (argument, value) in enumerate(zip(schema.arguments, values)):
+        if str(argument.type) != "Tensor":
+            continue
+        kind = value.type()
+        if kind.kind() != "TensorType" or kind.scalarType() is None:
+            return None
+        sizes = kind.varyingSizes()
+        if sizes is None:
+            return None
+        tensor_types[index] = (kind.dtype(), sizes)
+    if not tensor_types:
+        return None
+    free = any(size is None for _, sizes in tensor_types.values() for size in sizes)
+    runs = [
+        _run_on_stand_ins(name, values, tensor_types, stand_in) for stand_in in (2, 3)[: 1 + free]
+    ]
+    if any(run is None for run in runs):
+        return None
+    types = []
+    for outputs in zip(*runs):
+        first = outputs[0]
+        sizes = [
+            size if all(o.shape[dim] == size for o in outputs) else None
+            for dim, size in enumerate(first.shape)
+        ]
+        types.append(torch._C.TensorType.create_from_tensor(first).with_sizes(sizes))
+    return types
+
+
+def _run_on_stand_ins(name: str, values, tensor_types: dict, stand_in: int) -> list | None:
+    """The operator's outputs on stand-ins: random tensors of the known types, each
+    free size ``stand_in``; the other arguments as the export parsed them."""
+    namespace, _, op_name = name.partition("::")
+    op = getattr(getattr(torch.ops, namespace), op_name)
+    args = list(values)
+    for index, (dtype, sizes) in tensor_types.items():
+        shape = [stand_in if size is None else size for size in sizes]
+        args[index] = (
+            torch.rand(shape, dtype=dtype)
+            if dtype.is_floating_point
+            else torch.ones(shape, dtype=dtype)
+        )
+    try:
+        with torch.no_grad():
+            result = op(*args)
+    except Exception:  # stand-ins the kernel refuses: fall back to the traced types
+        return None
+    outputs = result if isinstance(result, (list, tuple)) else (result,)
+    if not all(isinstance(output, torch.Tensor) for output in outputs):
+        return None
+    return list(outputs)
 
 
 def custom_nodes_metadata(model) -> str | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+from torch.utils import _pytree as pytree
 
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
@@ -39,6 +40,27 @@ class OnnxRuntime(Pass):
             return "onnxruntime is not installed (pip install onnxruntime)"
         if candidate.dtype == torch.bfloat16:
             return "ONNX Runtime's CPU kernels take no bfloat16 (a bfloat16 pass was kept)"
+        from bladesmith.onnx.exporter import baked_arguments
+
+        args = candidate.runner_args(context.example_args)
+        baked = [
+            f"{entry['name']}={entry['repr']}"
+            for entry in baked_arguments(candidate.module, args)
+            if entry.get("value", ...) is not None  # None: the graph just lacks that input
+        ]
+        if baked:
+            return (
+                f"the test data passes non-tensor arguments ({', '.join(baked)}), which an "
+                "ONNX export holds as constants: ONNX Runtime would answer every call as if "
+                "for these values"
+            )
+        sizes = sorted({_sizes_past_the_batch(candidate.runner_args(x)) for x in context.test_args})
+        if len(sizes) > 1:
+            return (
+                "the test data has inputs of more than one size past the batch "
+                f"({' and '.join(', '.join(map(str, each)) for each in sizes)}): an ONNX export "
+                "fixes every size but the batch"
+            )
         from bladesmith.onnx import user_ops
 
         untranslated = sorted(
@@ -67,3 +89,9 @@ class OnnxRuntime(Pass):
                 "shape is exported again on its first call"
             )
         return candidate.with_runner(runner, self.name)
+
+
+def _sizes_past_the_batch(args: tuple) -> tuple:
+    """The shapes of the tensors in ``args``, the batch dimension left out."""
+    leaves = pytree.tree_leaves(args)
+    return tuple(tuple(x.shape[1:]) for x in leaves if isinstance(x, torch.Tensor))

@@ -18,15 +18,21 @@ from torch.utils import _pytree as pytree
 
 class OnnxRunner:
     """An ONNX Runtime session called like the module it was exported from: tensor
-    arguments in, the module's output structure out (as CPU tensors)."""
+    arguments in, the module's output structure out (as CPU tensors). ``none_outputs``:
+    the positions, among the output's leaves, of the Nones that ONNX has no output for."""
 
-    def __init__(self, session, output_spec):
+    def __init__(self, session, output_spec, none_outputs=()):
         self.session = session
         self.output_spec = output_spec
+        self.none_outputs = tuple(none_outputs)
 
     def __call__(self, *args, **kwargs):
-        outputs = self.session(*_tensors((args, kwargs)))
-        return pytree.tree_unflatten(list(outputs), self.output_spec)
+        # A bool or number the export held as a constant must not silently answer for another.
+        self.session.check_arguments(args, kwargs)
+        outputs = list(self.session(*_tensors((args, kwargs))))
+        for index in self.none_outputs:  # ascending: each goes back where it was
+            outputs.insert(index, None)
+        return pytree.tree_unflatten(outputs, self.output_spec)
 
 
 class OnnxRunnerPerShape:
@@ -52,45 +58,59 @@ def _shapes(tree) -> tuple:
     return tuple(tuple(tensor.shape) for tensor in _tensors(tree))
 
 
-def export_onnx(module, args: tuple, path: Path, dynamic_batch: bool = True) -> pytree.TreeSpec:
-    """Export ``module`` called on ``args`` to ``path``; return its output structure.
+def export_onnx(
+    module, args: tuple, path: Path, dynamic_batch: bool = True
+) -> tuple[pytree.TreeSpec, tuple[int, ...]]:
+    """Export ``module`` called on ``args`` to ``path``; return its output structure and
+    the positions of the Nones among its leaves (the export drops them).
 
-    With ``dynamic_batch`` the first dimension of every tensor input is left free.
+    With ``dynamic_batch`` the first dimension of every tensor input and output is left
+    free. Outputs are named ``output_<i>`` in order, as ``bladesmith serve`` names them.
     The bladesmith operators become custom-domain nodes running their CPU kernels when
     onnxruntime-extensions is installed, else standard ONNX operators."""
     from bladesmith import onnx
 
     with torch.no_grad():
-        output_spec = pytree.tree_flatten(module(*args))[1]
+        leaves, output_spec = pytree.tree_flatten(module(*args))
+    none_outputs = tuple(index for index, leaf in enumerate(leaves) if leaf is None)
     custom_ops = "domain" if importlib.util.find_spec("onnxruntime_extensions") else "standard"
     tensors = _tensors(args)
     names = [f"input_{index}" for index in range(len(tensors))]
-    dynamic = {name: {0: "batch"} for name, x in zip(names, tensors, strict=True) if x.dim()}
+    outputs = [leaf for leaf in leaves if leaf is not None]
+    output_names = [f"output_{index}" for index in range(len(outputs))]
+    dynamic = {
+        name: {0: "batch"}
+        for name, x in (*zip(names, tensors), *zip(output_names, outputs))
+        if isinstance(x, torch.Tensor) and x.dim()
+    }
     onnx.export(
         module,
         args,
         path,
         custom_ops=custom_ops,
         input_names=names,
+        output_names=output_names,
         dynamic_axes=dynamic if dynamic_batch else None,
     )
-    return output_spec
+    return output_spec, none_outputs
 
 
-def cpu_runner(path: Path, output_spec: pytree.TreeSpec) -> OnnxRunner:
+def cpu_runner(
+    path: Path, output_spec: pytree.TreeSpec, none_outputs: tuple[int, ...] = ()
+) -> OnnxRunner:
     """An ONNX Runtime session on the CPU, as many threads as torch uses."""
     from bladesmith import onnx
 
     session = onnx.session(path, device="cpu", threads=torch.get_num_threads())
-    return OnnxRunner(session, output_spec)
+    return OnnxRunner(session, output_spec, none_outputs)
 
 
 def onnx_runner(module, args: tuple, dynamic_batch: bool = True) -> OnnxRunner:
     """``module`` exported on ``args`` and loaded in an ONNX Runtime CPU session."""
     with tempfile.TemporaryDirectory(prefix="bladesmith-onnx-") as directory:
         path = Path(directory) / "model.onnx"
-        output_spec = export_onnx(module, args, path, dynamic_batch=dynamic_batch)
-        return cpu_runner(path, output_spec)
+        output_spec, none_outputs = export_onnx(module, args, path, dynamic_batch=dynamic_batch)
+        return cpu_runner(path, output_spec, none_outputs)
 
 
 def follows_the_batch(runner: Callable, module, args: tuple) -> bool:
