@@ -15,6 +15,7 @@ from bladesmith.bench import Speedup
 from bladesmith.onnx import user_ops
 from bladesmith.ops import libraries
 from bladesmith.passes.candidate import Candidate
+from bladesmith.passes.precision import BFLOAT16_PASSES, NO_ONNX_BF16
 from bladesmith.passes.registry import Context
 from bladesmith.runtimes.torchscript import is_torchscript
 from bladesmith.spec import (
@@ -99,7 +100,7 @@ def with_tried_formats(
         )
     refused = {suffix: why for suffix, why in refused.items() if suffix in spec.save_formats}
     if spec.dtype == "bfloat16" and ONNX_SUFFIX in spec.save_formats:
-        refused.setdefault(ONNX_SUFFIX, bfloat16_onnx_reason(spec.passes))
+        refused[ONNX_SUFFIX] = bfloat16_onnx_reason(spec.passes)
     formats = [each for each in spec.save_formats if each not in untried and each not in refused]
     tried, failed = try_formats(optimized, formats, test_args, judge)
     return dataclasses.replace(
@@ -113,14 +114,8 @@ def with_tried_formats(
 
 def bfloat16_onnx_reason(passes) -> str:
     """Why a result that computes in bfloat16 is not saved as ONNX, and what to do."""
-    kept = [name for name in passes if "bf16" in name] or ["a bfloat16 pass"]
-    excluded = ("bf16", "roi_heads_bf16", "linear_bf16")
-    return (
-        f"bfloat16 was kept ({', '.join(kept)}), and ONNX Runtime's CPU kernels (and ONNX's "
-        "Conv) take no bfloat16: to save .onnx, optimize with the bfloat16 passes excluded "
-        f"(Config(exclude={excluded!r}); bladesmith optimize "
-        f"{' '.join(f'--exclude {name}' for name in excluded)})"
-    )
+    kept = [name for name in passes if name in BFLOAT16_PASSES] or ["a bfloat16 pass"]
+    return f"bfloat16 was kept ({', '.join(kept)}), and {NO_ONNX_BF16[ONNX_SUFFIX]}"
 
 
 def diagnosis(

@@ -65,7 +65,13 @@ def _cast(value, dtype: torch.dtype):
 
 NO_CPU_BF16 = "this CPU has no bfloat16 arithmetic (AVX512-BF16 or AMX): slower than float32"
 # bladesmith runs and checks a saved .onnx in ONNX Runtime on the CPU.
-NO_ONNX_BF16 = {ONNX_SUFFIX: "ONNX Runtime's CPU kernels take no bfloat16"}
+BFLOAT16_PASSES = ("bf16", "roi_heads_bf16", "linear_bf16")
+NO_ONNX_BF16 = {
+    ONNX_SUFFIX: "ONNX Runtime's CPU kernels (and ONNX's Conv) take no bfloat16: to save "
+    f".onnx, optimize with the bfloat16 passes excluded (Config(exclude={BFLOAT16_PASSES!r}) "
+    f"or Config(save_as='.onnx'); bladesmith optimize --out MODEL.onnx, or "
+    f"{' '.join(f'--exclude {name}' for name in BFLOAT16_PASSES)})"
+}
 
 
 class Float16(Pass):
