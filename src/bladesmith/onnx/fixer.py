@@ -5,8 +5,9 @@ again and confirm in ONNX Runtime that its outputs did not change.
     result.applied     # the rewrites, each with the nodes it touched
     result.remaining   # findings `check` still reports on the fixed model
 
-Steps, in order, each kept only when onnx's checker accepts its result (else skipped,
-with the reason in `applied`):
+Steps, in order, each kept only when onnx's checker accepts its result and the model's
+interface is unchanged: the same inputs and outputs, in order, with the same names,
+element types and ranks (else skipped, with the reason in `applied`):
 1. fold constant subgraphs with onnxslim (shape arithmetic on static shapes disappears;
    `input_shapes` makes dynamic inputs static first);
 2. rewrite what is left of float shape arithmetic as integer arithmetic, where that is
@@ -116,12 +117,17 @@ def fix(
     """
     resolved = resolve_targets(targets)
     out_path = _writable(Path(out_path))
+    if _same_file(Path(in_path), out_path):
+        raise InvalidInputError(
+            f"output {out_path} is the input model itself; fix leaves its input unchanged: "
+            "give another output file"
+        )
     original = load_model(in_path)
     invalid = invalid_graph(original)
     if invalid:
         raise InvalidInputError(f"{in_path}: {invalid[0].message}; fix rewrites valid graphs only")
     shapes = {name: [int(d) for d in dims] for name, dims in (input_shapes or {}).items()}
-    _check_input_names(original, shapes)
+    _check_input_shapes(original, shapes)
     before = check(original, resolved)
 
     applied: list[Rewrite] = []
@@ -139,10 +145,12 @@ def fix(
         else Verification("skipped", "not asked for")
     )
     if verification.status == "failed":
-        raise FixError(
-            f"the fixed model's outputs differ from the original's ({verification.reason}); "
-            f"nothing was written to {out_path}"
+        what = (
+            "the fixed model's outputs differ from the original's"
+            if verification.outputs
+            else "the fixed model could not be verified"
         )
+        raise FixError(f"{what} ({verification.reason}); nothing was written to {out_path}")
     try:
         write_atomically(out_path, lambda temporary: onnx.save(model, str(temporary)))
     except (OSError, ValueError) as error:  # ValueError: protobuf's 2 GiB limit
@@ -170,15 +178,25 @@ def _writable(path: Path) -> Path:
     return path
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether `a` and `b` are one file (the same path, or links to one file)."""
+    try:
+        return b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
 def _step(kind: str, rewrite, model: onnx.ModelProto, applied: list[Rewrite]) -> onnx.ModelProto:
     """`rewrite` applied to a copy of `model`, kept only when onnx's checker accepts the
-    result; otherwise `model` as it was and a note saying why the step was skipped."""
+    result and the model's interface (`_interface`) is unchanged; otherwise `model` as it
+    was and a note saying why the step was skipped."""
     count = len(applied)
     candidate = onnx.ModelProto()
     candidate.CopyFrom(model)
     try:
         result = rewrite(candidate)
         onnx.checker.check_model(result)
+        _same_interface(model, result)
     except Exception as error:  # onnxslim, the converter and the checker raise many types
         del applied[count:]
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -187,13 +205,86 @@ def _step(kind: str, rewrite, model: onnx.ModelProto, applied: list[Rewrite]) ->
     return result
 
 
-def _check_input_names(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> None:
-    names = {graph_input.name for graph_input in model.graph.input}
-    unknown = sorted(set(shapes) - names)
+def _interface(model: onnx.ModelProto) -> tuple[list, list]:
+    """The graph's inputs (initializers excluded) and outputs: (name, element type, rank),
+    rank None when unknown. A rewrite may make dimensions static, nothing else here."""
+
+    def describe(values):
+        return [
+            (
+                value.name,
+                value.type.tensor_type.elem_type,
+                len(value.type.tensor_type.shape.dim)
+                if value.type.tensor_type.HasField("shape")
+                else None,
+            )
+            for value in values
+        ]
+
+    initializers = {init.name for init in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in initializers]
+    return describe(inputs), describe(model.graph.output)
+
+
+def _same_interface(before: onnx.ModelProto, after: onnx.ModelProto) -> None:
+    """ValueError naming the first input or output `after` changed (name, element type,
+    rank), or one it added or removed."""
+    for kind, old, new in zip(("input", "output"), _interface(before), _interface(after)):
+        for index in range(max(len(old), len(new))):
+            was = old[index] if index < len(old) else None
+            now = new[index] if index < len(new) else None
+            if was == now:
+                continue
+            if was is None or now is None or was[0] != now[0]:
+                change = f"{kind}s {[v[0] for v in old]} became {[v[0] for v in new]}"
+            elif was[1] != now[1]:
+                change = f"{kind} {was[0]!r} changed its element type"
+            else:
+                change = f"{kind} {was[0]!r} changed rank {was[2]} -> {now[2]}"
+            raise ValueError(f"it would change the model's interface: {change}")
+
+
+def _check_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> None:
+    """InvalidInputError unless each of `shapes` names a graph input (not an initializer)
+    and gives it as many dimensions as it has, each >= 1, equal to its static ones: a
+    shape that breaks one of these makes a model ONNX Runtime cannot load."""
+    initializers = {init.name for init in model.graph.initializer}
+    inputs = {i.name: i for i in model.graph.input if i.name not in initializers}
+    unknown = sorted(set(shapes) - set(inputs))
     if unknown:
-        raise BladesmithError(
-            f"input_shapes names {unknown}, which are not graph inputs; inputs are {sorted(names)}"
+        raise InvalidInputError(
+            f"input_shapes (--input-shape) names {unknown}, which are not graph inputs; "
+            f"inputs are {sorted(inputs)}"
         )
+    for name, dims in shapes.items():
+        if not dims or min(dims) < 1:
+            raise InvalidInputError(
+                f"input_shapes (--input-shape) {name}:{_dims(dims)}: every dimension must be >= 1"
+            )
+        tensor_type = inputs[name].type.tensor_type
+        if not tensor_type.HasField("shape"):
+            continue  # rank unknown: any shape may be right
+        declared = [
+            dim.dim_value if dim.HasField("dim_value") else None for dim in tensor_type.shape.dim
+        ]
+        shown = _dims("?" if dim is None else dim for dim in declared)
+        if len(declared) != len(dims):
+            raise InvalidInputError(
+                f"input_shapes (--input-shape) {name}:{_dims(dims)} has {len(dims)} "
+                f"dimensions, but input {name!r} has {len(declared)} ({shown}); give "
+                f"{len(declared)}"
+            )
+        clashes = [i for i, dim in enumerate(declared) if dim is not None and dim != dims[i]]
+        if clashes:
+            raise InvalidInputError(
+                f"input_shapes (--input-shape) {name}:{_dims(dims)} changes static "
+                f"dimension {clashes[0]} of input {name!r} ({shown}); keep the static "
+                "dimensions and set the dynamic ones (?)"
+            )
+
+
+def _dims(dims) -> str:
+    return ",".join(str(dim) for dim in dims)
 
 
 # -- 1. constant folding ----------------------------------------------------------------
@@ -220,6 +311,7 @@ def _fold_constants(
     if shapes:
         fixed = ", ".join(f"{name}={dims}" for name, dims in shapes.items())
         applied.append(Rewrite("static-input-shapes", (), f"input shapes fixed: {fixed}"))
+    _keep_inputs(model, folded)
     if len(folded.graph.node) < len(before):
         applied.append(
             Rewrite(
@@ -230,6 +322,25 @@ def _fold_constants(
             )
         )
     return folded
+
+
+def _keep_inputs(original: onnx.ModelProto, folded: onnx.ModelProto) -> None:
+    """Put back the graph inputs (and the initializers giving their defaults) that
+    onnxslim removed because nothing reads them: the inputs are the model's interface,
+    which callers feed by name. Kept inputs keep onnxslim's (static) shapes."""
+    graph = folded.graph
+    folded_inputs = {i.name: i for i in graph.input}
+    folded_initializers = {i.name for i in graph.initializer}
+    original_initializers = {i.name: i for i in original.graph.initializer}
+    names = {i.name for i in original.graph.input}
+    inputs = [folded_inputs.get(i.name, i) for i in original.graph.input]
+    inputs += [i for name, i in folded_inputs.items() if name not in names]
+    for graph_input in original.graph.input:
+        name = graph_input.name
+        if name in original_initializers and name not in folded_initializers:
+            graph.initializer.append(original_initializers[name])
+    del graph.input[:]
+    graph.input.extend(inputs)
 
 
 # -- 2. float shape arithmetic as integers -----------------------------------------------
@@ -466,10 +577,12 @@ def _new_initializer(graph: onnx.GraphProto, name: str, value: np.ndarray) -> st
 
 def _drop_unused_initializers(model: onnx.ModelProto, applied: list[Rewrite]) -> onnx.ModelProto:
     """Initializers no node (subgraphs included) reads and no output returns: dead
-    weight in the file, and some parsers warn about each."""
+    weight in the file, and some parsers warn about each. One that is also a graph input
+    (a default a caller may override) is part of the interface and stays."""
     graph = model.graph
     used = {name for node in GraphView(model).all_nodes() for name in node.input}
     used |= {output.name for output in graph.output}
+    used |= {graph_input.name for graph_input in graph.input}
     unused = [init.name for init in graph.initializer if init.name not in used]
     if not unused:
         return model
@@ -537,7 +650,11 @@ def _compare_in_onnxruntime(
             reason = str(error).strip().splitlines()[0][:300]
             if label == "original":
                 return Verification("unverified", f"ONNX Runtime CPU cannot run it: {reason}")
-            return Verification("failed", f"ONNX Runtime CPU runs the original, not this: {reason}")
+            return Verification(
+                "failed",
+                "ONNX Runtime CPU runs the original on synthesised inputs but not the fixed "
+                f"model on the same inputs, so no outputs were compared: {reason}",
+            )
     names = [output.name for output in original.graph.output]
     verification = Verification("passed")
     for name, reference, candidate in zip(names, *runs, strict=True):
