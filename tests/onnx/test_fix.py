@@ -4,12 +4,14 @@ outputs as the original in ONNX Runtime."""
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import check_models as models
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 
 from bladesmith.errors import BladesmithError
 from bladesmith.onnx.fixer import FixError, InvalidInputError, fix
@@ -295,3 +297,56 @@ def test_a_fixed_model_that_cannot_run_on_the_inputs_is_not_said_to_differ(tmp_p
     assert "could not be verified" in message and "no outputs were compared" in message
     assert "Invalid rank for input: x" in message and "differ" not in message
     assert not out.exists()
+
+
+class Upsample(torch.nn.Module):
+    """interpolate(scale_factor=f, recompute_scale_factor=True) per factor: what torch
+    exports with dynamic H/W is Shape -> Gather -> Cast(float) -> Mul(f) -> Cast(float)
+    -> Floor -> Unsqueeze -> Concat(h, w) -> Cast(int64) -> Concat -> Resize(sizes), one
+    Cast(float) shared by the factors."""
+
+    def __init__(self, factors):
+        super().__init__()
+        self.factors = factors
+
+    def forward(self, x):
+        return tuple(
+            torch.nn.functional.interpolate(
+                x, scale_factor=factor, mode="nearest", recompute_scale_factor=True
+            )
+            for factor in self.factors
+        )
+
+
+def test_the_shape_arithmetic_torch_exports_for_interpolate_becomes_integer(tmp_path):
+    source = tmp_path / "upsample.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            Upsample((2.0, 1.5, 1.1)),
+            (torch.rand(1, 3, 8, 12),),
+            str(source),
+            dynamo=False,
+            opset_version=17,
+            input_names=["x"],
+            dynamic_axes={"x": {2: "h", 3: "w"}},
+        )
+    out = tmp_path / "out.onnx"
+    result = fix(source, out, "tensorrt")
+
+    def float_shapes(findings):
+        return sorted(f.node for f in findings if f.rule == "float-shape-arithmetic")
+
+    resizes = [n.name for n in onnx.load(source).graph.node if n.op_type == "Resize"]
+    assert float_shapes(result.before) == sorted(resizes)
+    # 2 and 1.5 (= 3/2: floor(h * 1.5) == (h * 3) div 2) became integers; 1.1 cannot.
+    assert float_shapes(result.remaining) == [resizes[2]]
+    details = [r.detail for r in result.applied if r.kind == "integer-shape-arithmetic"]
+    assert len(details) == 4  # height and width of two factors
+    assert sum("Div" in detail for detail in details) == 2  # 1.5: (x * 3) div 2
+    for height in range(1, 30):
+        for width in (1, 5, 12):
+            x = np.random.default_rng(height).random((1, 3, height, width), dtype=np.float32)
+            expected, actual = run(str(source), {"x": x}), run(str(out), {"x": x})
+            for want, got in zip(expected, actual, strict=True):
+                assert want.shape == got.shape and np.array_equal(want, got), (height, width)

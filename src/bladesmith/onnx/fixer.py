@@ -366,6 +366,114 @@ class _Step:
 
 
 def _integer_shape_arithmetic(model: onnx.ModelProto, applied: list[Rewrite]) -> onnx.ModelProto:
+    """Every chain `_find_integer_chain` finds, done in integers. The graph is first put
+    in the form the chains are matched in (`_separate_chains`), which changes no value;
+    when no chain is found after that, `model` is returned as it was."""
+    before = onnx.ModelProto()
+    before.CopyFrom(model)
+    count = len(applied)
+    _separate_chains(model)
+    _rewrite_integer_chains(model, applied)
+    return model if len(applied) > count else before
+
+
+def _separate_chains(model: onnx.ModelProto) -> None:
+    """Two rewrites that change no value, so that each chain from a Cast(int -> float) to
+    a Cast(float -> int) is a line of single-consumer nodes, which is what torch exports
+    for `interpolate(scale_factor=..., recompute_scale_factor=True)` once untangled
+    (Shape -> Gather -> Cast(float) -> [Mul -> Cast -> Floor] per factor -> Unsqueeze ->
+    Concat of height and width -> Cast(int64)):
+    - a Cast(int -> float) read by several nodes becomes one copy per reader;
+    - a Cast(float -> int) of an Unsqueeze, Squeeze or Concat of floats that only it reads
+      moves above it, one Cast per data input (a cast of each element commutes with
+      moving elements), until it sits right after the arithmetic."""
+    graph = model.graph
+    taken = _names_in_use(graph)
+    graph_outputs = {output.name for output in graph.output}
+    view = GraphView(model)
+    for cast in list(graph.node):
+        readers = view.consumers.get(cast.output[0], []) if cast.op_type == "Cast" else []
+        readers = list({id(reader): reader for reader in readers}.values())  # Mul(c, c)
+        if (
+            len(readers) < 2
+            or cast.output[0] in graph_outputs
+            or attribute(cast, "to") not in FLOAT_TYPES
+            or view.elem_type(cast.input[0]) not in _INTEGER_TYPES
+        ):
+            continue
+        position = list(graph.node).index(cast)
+        for offset, reader in enumerate(readers[1:], start=1):
+            copy = onnx.NodeProto()
+            copy.CopyFrom(cast)
+            copy.name = _fresh(taken, f"{cast.name or 'cast'}_{offset}")
+            copy.output[0] = _fresh(taken, f"{cast.output[0]}_{offset}")
+            graph.node.insert(position + offset, copy)
+            index = next(i for i, node in enumerate(graph.node) if node == reader)
+            node = graph.node[index]
+            for slot, name in enumerate(node.input):
+                if name == cast.output[0]:
+                    node.input[slot] = copy.output[0]
+            view = GraphView(model)
+    while (hoist := _movable_cast(GraphView(model), graph_outputs)) is not None:
+        mover, cast = hoist
+        _move_cast_above(graph, mover, cast, taken)
+
+
+# Nodes that only move elements: a cast of each element commutes with them. Their data
+# inputs (the others are axes).
+_MOVING = {"Unsqueeze": 1, "Squeeze": 1, "Concat": None}
+
+
+def _movable_cast(view: GraphView, graph_outputs: set[str]):
+    """(mover, Cast(float -> int)) where the Cast is the only reader of an Unsqueeze,
+    Squeeze or Concat of floats, else None."""
+    for cast in view.nodes:
+        if cast.op_type != "Cast" or attribute(cast, "to") not in _INTEGER_TYPES:
+            continue
+        mover = view.producer.get(cast.input[0])
+        if (
+            mover is None
+            or mover.op_type not in _MOVING
+            or cast.input[0] in graph_outputs
+            or len(view.consumers.get(cast.input[0], [])) != 1
+        ):
+            continue
+        data = list(mover.input[: _MOVING[mover.op_type]])
+        if all(view.elem_type(name) in FLOAT_TYPES for name in data):
+            return mover, cast
+    return None
+
+
+def _move_cast_above(graph, mover, cast, taken: set[str]) -> None:
+    nodes = list(graph.node)
+    mover_index, cast_index = nodes.index(mover), nodes.index(cast)
+    node = graph.node[mover_index]
+    count = _MOVING[node.op_type] or len(node.input)
+    casts = []
+    for slot in range(count):
+        name = node.input[slot]
+        output = _fresh(taken, f"{name}_int")
+        casts.append(
+            onnx.helper.make_node(
+                "Cast",
+                [name],
+                [output],
+                name=_fresh(taken, f"{cast.name or 'cast'}_{slot}"),
+                to=attribute(cast, "to"),
+            )
+        )
+        node.input[slot] = output
+    moved_from = node.output[0]
+    node.output[0] = cast.output[0]
+    del graph.node[cast_index]
+    for offset, new in enumerate(casts):
+        graph.node.insert(mover_index + offset, new)
+    stale = [info for info in graph.value_info if info.name in (moved_from, cast.output[0])]
+    for info in stale:
+        graph.value_info.remove(info)
+
+
+def _rewrite_integer_chains(model: onnx.ModelProto, applied: list[Rewrite]) -> None:
     while (match := _find_integer_chain(GraphView(model))) is not None:
         view, cast, steps, final_cast = match
         graph = model.graph
@@ -385,7 +493,6 @@ def _integer_shape_arithmetic(model: onnx.ModelProto, applied: list[Rewrite]) ->
                 f"{' -> '.join(node.op_type for node in replacement)} in {dtype}",
             )
         )
-    return model
 
 
 def _find_integer_chain(view: GraphView):
@@ -405,6 +512,7 @@ def _find_integer_chain(view: GraphView):
 def _integer_chain(view: GraphView, cast: onnx.NodeProto):
     """(steps, final Cast) when the chain after `cast` can be done in integers, else None."""
     non_negative = _is_dimension(view, cast.input[0])
+    float_type = attribute(cast, "to")
     steps: list[_Step] = []
     current = cast.output[0]
     while True:
@@ -412,7 +520,9 @@ def _integer_chain(view: GraphView, cast: onnx.NodeProto):
         if len(consumers) != 1 or current in view.graph_output_names:
             return None
         node = consumers[0]
-        if node.op_type == "Cast":
+        if node.op_type == "Cast" and attribute(node, "to") == float_type:
+            steps.append(_Step("Identity", None, (node,)))  # float to the same float
+        elif node.op_type == "Cast":
             return (steps, node) if attribute(node, "to") in _INTEGER_TYPES else None
         if node.op_type in ("Floor", "Ceil", "Round"):
             steps.append(_Step("Identity", None, (node,)))
@@ -422,9 +532,9 @@ def _integer_chain(view: GraphView, cast: onnx.NodeProto):
         elif node.op_type == "Mul" and (scaled := _scaled_division(view, node, current)):
             if not non_negative:
                 return None
-            multiplier, divisor, rounding = scaled
+            multiplier, divisor, rounding, between = scaled
             op = "FloorDiv" if rounding.op_type == "Floor" else "CeilDiv"
-            steps += [_Step("Mul", multiplier, (node,)), _Step(op, divisor, (rounding,))]
+            steps += [_Step("Mul", multiplier, (node,)), _Step(op, divisor, (*between, rounding))]
             node = rounding
         elif node.op_type in ("Mul", "Add", "Sub"):
             constant, current_first = _integer_operand(view, node, current)
@@ -467,13 +577,22 @@ def _is_dimension(view: GraphView, tensor: str) -> bool:
 
 
 def _scaled_division(view: GraphView, node: onnx.NodeProto, current: str):
-    """(multiplier p, divisor q, rounding node) when the Mul multiplies by a positive
-    non-integer p/q with q a power of two (1.5, 0.75: float32 holds x * p/q exactly)
-    and is followed by Floor or Ceil: floor(x * p/q) == (x * p) div q for x >= 0."""
+    """(multiplier p, divisor q, rounding node, identity Casts between) when the Mul
+    multiplies by a positive non-integer p/q with q a power of two (1.5, 0.75: float32
+    holds x * p/q exactly) and is followed, perhaps through Casts to its own float type,
+    by Floor or Ceil: floor(x * p/q) == (x * p) div q for x >= 0."""
     if len(node.input) != 2 or node.input[0] == node.input[1]:
         return None
     value = view.constant_value(node.input[1] if node.input[0] == current else node.input[0])
     rounding = _single_consumer(view, node.output[0])
+    between = []
+    while (
+        rounding is not None
+        and rounding.op_type == "Cast"
+        and attribute(rounding, "to") == view.elem_type(node.output[0])
+    ):
+        between.append(rounding)
+        rounding = _single_consumer(view, rounding.output[0])
     if value is None or rounding is None or rounding.op_type not in ("Floor", "Ceil"):
         return None
     value = value.astype(np.float64)
@@ -484,7 +603,7 @@ def _scaled_division(view: GraphView, node: onnx.NodeProto, current: str):
         divisor *= 2
     if divisor > _MAX_DENOMINATOR:
         return None
-    return np.round(value * divisor), np.asarray(divisor), rounding
+    return np.round(value * divisor), np.asarray(divisor), rounding, tuple(between)
 
 
 def _integer_operand(view: GraphView, node: onnx.NodeProto, current: str):
