@@ -134,6 +134,19 @@ def _table() -> list[tuple[str, str, str]]:
         ("check-no-target", "check {onnx}", "--target"),
         ("fix-input-shape", "fix {onnx} o.onnx -t ort-cpu --input-shape x", "--input-shape"),
         ("export-opset-word", "export onnx {model} o.onnx --opset seven", "--opset"),
+        ("export-opset-too-new", "export onnx {model} o.onnx --opset 99", "--opset"),
+        ("export-an-onnx-model", "export onnx {onnx} o.onnx", "onnx"),
+        (
+            "fix-input-shape-zero",
+            "fix {onnx} o.onnx -t ort-cpu --input-shape x:0,3",
+            "--input-shape",
+        ),
+        (
+            "fix-input-shape-rank",
+            "fix {onnx} o.onnx -t ort-cpu --input-shape x:1,3,8",
+            "--input-shape",
+        ),
+        ("fix-output-is-the-input", "fix {onnx} {onnx} -t ort-cpu", "onnx"),
         ("export-unknown-format", "export tflite {model} o.tflite", "tflite"),
         ("unknown-command", "frobnicate", "frobnicate"),
     ]

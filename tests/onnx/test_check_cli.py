@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import check_models as models
 import onnx
 import pytest
 
-from bladesmith.cli import main
+from bladesmith.cli import EXIT_BROKEN_PIPE, main
 
 
 @pytest.fixture
@@ -87,3 +90,20 @@ def test_bad_arguments(dynamic_model, tmp_path, capsys):
     assert "unknown target 'tpu'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["check", str(dynamic_model)])  # --target is required
+
+
+def test_a_closed_stdout_ends_check_quietly(dynamic_model):
+    """`bladesmith check --json m.onnx | head`: the reader goes away; no error, no
+    traceback, the exit status of a command stopped by SIGPIPE."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write fails with EPIPE
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    argv = [sys.executable, "-m", "bladesmith", "check", str(dynamic_model), "-t", "all"]
+    try:
+        done = subprocess.run(
+            [*argv, "--json"], stdout=write_end, stderr=subprocess.PIPE, env=env, timeout=300
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr.decode() == ""
+    assert done.returncode == EXIT_BROKEN_PIPE

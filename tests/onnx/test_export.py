@@ -395,24 +395,25 @@ def test_session_explains_a_missing_onnxruntime_extensions(tmp_path, monkeypatch
         session(path, device="cpu")
 
 
+class Detector(torch.nn.Module):
+    """images [B, 3, 32, 192] -> a head on 8 x 48 positions -> the operator."""
+
+    def __init__(self):
+        super().__init__()
+        anchors, levels, _ = head_outputs(batch=1, levels=(256, 96, 32))
+        self.post = Postprocess(anchors, levels)
+        self.head = torch.nn.Conv2d(3, 9, 4, stride=4)
+        self.norm = torch.nn.BatchNorm2d(9)
+
+    def forward(self, images):
+        features = self.norm(self.head(images)).flatten(2).transpose(1, 2)  # [B, 384, 9]
+        sizes = torch.tensor([[32, 192]]).expand(images.shape[0], 2)
+        return self.post(features[..., :5], features[..., 5:], sizes)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_cli_exports_a_torchscript_file(tmp_path, capsys, mode):
     from bladesmith.cli import main
-
-    anchors, levels, _ = head_outputs(batch=1, levels=(256, 96, 32))
-
-    class Detector(torch.nn.Module):
-        """images [B, 3, 32, 192] -> a head on 8 x 48 positions -> the operator."""
-
-        def __init__(self):
-            super().__init__()
-            self.post = Postprocess(anchors, levels)
-            self.head = torch.nn.Conv2d(3, 9, 4, stride=4)
-
-        def forward(self, images):
-            features = self.head(images).flatten(2).transpose(1, 2)  # [B, 384, 9]
-            sizes = torch.tensor([[32, 192]]).expand(images.shape[0], 2)
-            return self.post(features[..., :5], features[..., 5:], sizes)
 
     module = Detector().eval()
     torch.jit.trace(module, torch.rand(1, 3, 32, 192)).save(str(tmp_path / "model.pt"))
@@ -423,6 +424,48 @@ def test_cli_exports_a_torchscript_file(tmp_path, capsys, mode):
     images = torch.rand(1, 3, 32, 192)
     comparison = compare_outputs(module(images), ort_session(out, mode)(images))
     assert comparison.passed, comparison.summary()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cli_exports_a_torch_export_file_at_the_shape_it_was_exported_for(tmp_path, capsys, mode):
+    """A .pt2 file loads as ExportedProgram.module(), whose train() raises: it exports as
+    it was captured (eval), in either custom-op mode, at its static input shape."""
+    from bladesmith.cli import main
+
+    module = Detector().eval()
+    module.norm.running_mean.uniform_()  # eval and train differ
+    program = torch.export.export(module, (torch.rand(2, 3, 32, 192),))
+    torch.export.save(program, tmp_path / "model.pt2")
+    out = tmp_path / "model.onnx"
+    argv = ["export", "onnx", str(tmp_path / "model.pt2"), str(out), "--custom-ops", mode]
+    assert main(argv) == 0
+    assert "input images [2, 3, 32, 192]" in capsys.readouterr().out
+    images = torch.rand(2, 3, 32, 192)
+    comparison = compare_outputs(module(images), ort_session(out, mode)(images))
+    assert comparison.passed, comparison.summary()
+
+    out.unlink()
+    assert main([*argv, "--batch", "1"]) == 2  # its guards would refuse batch 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--batch" in err and "[2, 3, 32, 192]" in err
+    assert not out.exists()
+
+
+def test_cli_refuses_an_onnx_model_and_an_opset_it_cannot_export(tmp_path, capsys):
+    from bladesmith.cli import main
+
+    source = tmp_path / "model.onnx"
+    onnx.save(onnx.helper.make_model(onnx.helper.make_graph([], "g", [], [])), source)
+    assert main(["export", "onnx", str(source), str(tmp_path / "o.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "an ONNX model" in err and "check and fix" in err and "optimize" not in err
+    for opset in ("99", "12"):
+        with pytest.raises(SystemExit) as stopped:
+            main(["export", "onnx", "x.pt", str(tmp_path / "o.onnx"), "--opset", opset])
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--opset" in err and opset in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
 
 
 def test_cli_rejects_an_unknown_model(tmp_path, capsys):

@@ -4,17 +4,20 @@ outputs as the original in ONNX Runtime."""
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import check_models as models
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 
 from bladesmith.errors import BladesmithError
-from bladesmith.onnx.fixer import FixError, fix
+from bladesmith.onnx.fixer import FixError, InvalidInputError, fix
 
 fix_module = importlib.import_module("bladesmith.onnx.fixer")
+h = onnx.helper
 
 
 def run(model_or_path, feeds):
@@ -200,3 +203,150 @@ def test_reduce_mean_18_converts_down_for_tensorrt8(tmp_path):
     result = fix(save(models.reduce_mean(18), tmp_path), out, "tensorrt8")
     assert onnx.load(out).opset_import[0].version == 17
     assert result.verification.status == "passed" and result.remaining == []
+
+
+@pytest.mark.parametrize(
+    ("dims", "words"),
+    [
+        ([1, 3, 6], "has 3 dimensions, but input 'x' has 4 (1,3,?,?); give 4"),
+        ([1, 3, 6, 10, 1], "has 5 dimensions"),
+        ([1, 3, 0, 10], "every dimension must be >= 1"),
+        ([2, 3, 6, 10], "changes static dimension 0"),
+    ],
+)
+def test_input_shapes_that_do_not_fit_the_input_are_refused(tmp_path, dims, words):
+    """A shape of another rank once gave a model ONNX Runtime cannot load (Conv:
+    "Attribute dilations has incorrect size")."""
+    out = tmp_path / "out.onnx"
+    source = save(models.float_resize_sizes(), tmp_path)
+    with pytest.raises(InvalidInputError) as raised:
+        fix(source, out, "ort-cpu", input_shapes={"x": dims})
+    assert words in str(raised.value) and "--input-shape" in str(raised.value)
+    assert not out.exists()
+
+
+def unused_input(initializer=False):
+    """Relu of x, and an input `unused` nothing reads (with a default value when
+    `initializer`: an initializer listed as a graph input)."""
+    inputs = [
+        h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3]),
+        h.make_tensor_value_info("unused", onnx.TensorProto.FLOAT, [2, 3]),
+    ]
+    graph = h.make_graph(
+        [h.make_node("Relu", ["x"], ["y"], name="relu")],
+        "g",
+        inputs,
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3])],
+        [models.const("unused", np.ones((2, 3)))] if initializer else [],
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("initializer", [False, True])
+def test_inputs_nothing_reads_are_kept(tmp_path, initializer):
+    out = tmp_path / "out.onnx"
+    result = fix(save(unused_input(initializer), tmp_path), out, "ort-cpu")
+    assert result.verification.status == "passed"
+    fixed = onnx.load(out)
+    assert [i.name for i in fixed.graph.input] == ["x", "unused"]
+    assert ("unused" in {i.name for i in fixed.graph.initializer}) == initializer
+    feeds = {"x": np.ones((2, 3), np.float32), "unused": np.zeros((2, 3), np.float32)}
+    run(str(out), feeds)  # callers still feed it
+
+
+def test_an_output_that_is_the_input_is_refused(tmp_path):
+    source = save(models.relu(), tmp_path)
+    before = source.read_bytes()
+    link = tmp_path / "link.onnx"
+    link.symlink_to(source)
+    for out in (source, link, tmp_path / "." / source.name):
+        with pytest.raises(InvalidInputError, match="is the input model itself"):
+            fix(source, out, "ort-cpu")
+    assert source.read_bytes() == before
+
+
+def test_a_rewrite_that_changes_an_inputs_rank_is_skipped(tmp_path, monkeypatch):
+    def drop_a_dimension(model, targets, applied):
+        applied.append(fix_module.Rewrite("opset-conversion", (), "opset 21 -> 20"))
+        del model.graph.input[0].type.tensor_type.shape.dim[0]
+        return model
+
+    monkeypatch.setattr(fix_module, "_convert_opset", drop_a_dimension)
+    result = fix(save(models.relu(), tmp_path), tmp_path / "out.onnx", "directml")
+    (conversion,) = result.applied
+    assert conversion.detail == (
+        "skipped: it would change the model's interface: input 'x' changed rank 4 -> 3"
+    )
+
+
+def test_a_fixed_model_that_cannot_run_on_the_inputs_is_not_said_to_differ(tmp_path, monkeypatch):
+    """When ONNX Runtime cannot run the fixed model on the original's inputs, no outputs
+    were compared: the error says so instead of "outputs differ"."""
+
+    def drop_a_dimension(model, targets, applied):
+        del model.graph.input[0].type.tensor_type.shape.dim[0]
+        del model.graph.output[0].type.tensor_type.shape.dim[0]
+        return model
+
+    monkeypatch.setattr(fix_module, "_convert_opset", drop_a_dimension)
+    monkeypatch.setattr(fix_module, "_same_interface", lambda before, after: None)
+    out = tmp_path / "out.onnx"
+    with pytest.raises(FixError) as raised:
+        fix(save(models.relu(), tmp_path), out, "ort-cpu")
+    message = str(raised.value)
+    assert "could not be verified" in message and "no outputs were compared" in message
+    assert "Invalid rank for input: x" in message and "differ" not in message
+    assert not out.exists()
+
+
+class Upsample(torch.nn.Module):
+    """interpolate(scale_factor=f, recompute_scale_factor=True) per factor: what torch
+    exports with dynamic H/W is Shape -> Gather -> Cast(float) -> Mul(f) -> Cast(float)
+    -> Floor -> Unsqueeze -> Concat(h, w) -> Cast(int64) -> Concat -> Resize(sizes), one
+    Cast(float) shared by the factors."""
+
+    def __init__(self, factors):
+        super().__init__()
+        self.factors = factors
+
+    def forward(self, x):
+        return tuple(
+            torch.nn.functional.interpolate(
+                x, scale_factor=factor, mode="nearest", recompute_scale_factor=True
+            )
+            for factor in self.factors
+        )
+
+
+def test_the_shape_arithmetic_torch_exports_for_interpolate_becomes_integer(tmp_path):
+    source = tmp_path / "upsample.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            Upsample((2.0, 1.5, 1.1)),
+            (torch.rand(1, 3, 8, 12),),
+            str(source),
+            dynamo=False,
+            opset_version=17,
+            input_names=["x"],
+            dynamic_axes={"x": {2: "h", 3: "w"}},
+        )
+    out = tmp_path / "out.onnx"
+    result = fix(source, out, "tensorrt")
+
+    def float_shapes(findings):
+        return sorted(f.node for f in findings if f.rule == "float-shape-arithmetic")
+
+    resizes = [n.name for n in onnx.load(source).graph.node if n.op_type == "Resize"]
+    assert float_shapes(result.before) == sorted(resizes)
+    # 2 and 1.5 (= 3/2: floor(h * 1.5) == (h * 3) div 2) became integers; 1.1 cannot.
+    assert float_shapes(result.remaining) == [resizes[2]]
+    details = [r.detail for r in result.applied if r.kind == "integer-shape-arithmetic"]
+    assert len(details) == 4  # height and width of two factors
+    assert sum("Div" in detail for detail in details) == 2  # 1.5: (x * 3) div 2
+    for height in range(1, 30):
+        for width in (1, 5, 12):
+            x = np.random.default_rng(height).random((1, 3, height, width), dtype=np.float32)
+            expected, actual = run(str(source), {"x": x}), run(str(out), {"x": x})
+            for want, got in zip(expected, actual, strict=True):
+                assert want.shape == got.shape and np.array_equal(want, got), (height, width)

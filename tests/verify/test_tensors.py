@@ -110,3 +110,22 @@ def test_bf16_candidate_of_fp32_reference_uses_bf16_tolerance():
     assert (result.rtol, result.atol) == default_tolerance(torch.bfloat16)
     assert result.to_dict()["dtype"] == "bfloat16"
     assert result.to_dict()["reference_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("dtype", [np.ulonglong, np.uint64, np.uint32, np.uint16, np.longlong])
+def test_numpy_integer_arrays_of_every_alias_compare_exactly(dtype):
+    """ONNX Runtime returns uint64 outputs as numpy's ulonglong, which torch does not
+    take (on Linux numpy's uint64 is ulong); the values stay exact, beyond 2**63 too."""
+    top = np.iinfo(dtype).max
+    reference = np.array([0, 1, top], dtype=dtype)
+    same = compare_tensors(reference, reference.copy())
+    assert same.passed and same.dtype == np.dtype(dtype).name
+    changed = reference.copy()
+    changed[2:] -= np.ones(1, dtype=dtype)
+    differs = compare_tensors(reference, changed)
+    assert not differs.passed and differs.out_of_tolerance == 1
+
+
+def test_a_big_endian_array_compares_by_value():
+    reference = np.array([1, 2, 3], dtype=np.uint64)
+    assert compare_tensors(reference.astype(">u8"), reference).passed

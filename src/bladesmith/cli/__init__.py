@@ -70,7 +70,8 @@ def _load_libraries(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run one command. A BladesmithError (bad input the user can fix: a file, a flag) is
     one line on stderr and exit code 2; any other error one line and exit code 1 (a bug
-    to report); ``--debug`` prints the traceback before that line."""
+    to report); ``--debug`` prints the traceback before that line. A closed stdout
+    (the reader of a pipe stopped) ends the command quietly with EXIT_BROKEN_PIPE."""
     import traceback
 
     from bladesmith.errors import BladesmithError
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("bladesmith: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _stdout_closed()
     except Exception as error:
         if args.debug:
             traceback.print_exc()
@@ -98,6 +101,25 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+# 128 + SIGPIPE: what a command killed by the signal reports to the shell.
+EXIT_BROKEN_PIPE = 141
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``bladesmith check --json m.onnx | head``): stop
+    quietly, as ``cat`` does. stdout is pointed at /dev/null, so that the interpreter's
+    last flush at exit has nowhere to fail either."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout has no file descriptor (captured)
+        pass
+    return EXIT_BROKEN_PIPE
 
 
 def _one_line(error: BaseException) -> str:

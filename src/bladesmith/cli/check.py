@@ -177,6 +177,6 @@ def _input_shape(spec: str) -> tuple[str, list[int]]:
         shape = [int(dim) for dim in dims.split(",")]
     except ValueError:
         shape = []
-    if not name or not shape or min(shape) < 0:
-        raise argparse.ArgumentTypeError(f"want NAME:D0,D1,... with integers >= 0, got {spec!r}")
+    if not name or not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"want NAME:D0,D1,... with integers >= 1, got {spec!r}")
     return name, shape

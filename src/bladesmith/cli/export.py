@@ -42,7 +42,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "output", type=output_file(".onnx"), metavar="OUT", help="the .onnx file to write"
     )
-    parser.add_argument("--opset", type=at_least(7), default=17, help="ONNX opset (default 17)")
+    parser.add_argument(
+        "--opset",
+        type=_opset,
+        default=17,
+        help="ONNX opset, 13 to the newest the installed torch and onnx export (default 17)",
+    )
     parser.add_argument(
         "--custom-ops",
         choices=("domain", "standard"),
@@ -56,11 +61,15 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--input-size",
         type=input_size,
-        default=(480, 640),
         metavar="HxW",
-        help="image height and width (default 480x640)",
+        help="image height and width (default 480x640; a .pt2 file: the size it was "
+        "exported for, where static)",
     )
-    parser.add_argument("--batch", type=at_least(1), default=1, help="batch size (default 1)")
+    parser.add_argument(
+        "--batch",
+        type=at_least(1),
+        help="batch size (default 1; a .pt2 file: the batch it was exported for, where static)",
+    )
     parser.add_argument(
         "--weights", type=readable_file, help="built-in model only: a local state-dict file"
     )
@@ -110,11 +119,89 @@ def _load_model(args):
     from bladesmith.cli.models import load_model
     from bladesmith.families import family_of
 
-    model = load_model(args.model, args.input_size, args.weights, args.num_classes)
+    model = load_model(args.model, args.input_size or DEFAULT_SIZE, args.weights, args.num_classes)
+    _settle_input_shape(args, _exported_input_shape(model))
     family = family_of(model)
     if family is None:
         return model, None
     return family.adapt(model, args.input_size).eval(), list(family.output_names)
+
+
+DEFAULT_SIZE = (480, 640)
+# torch.onnx.export's TorchScript exporter, the one bladesmith uses, and the bladesmith
+# operators' lowering (symbolic.MIN_OPSET) bound the opsets.
+MIN_OPSET = 13
+
+
+def _opset(text: str) -> int:
+    """argparse type for --opset: from MIN_OPSET to the newest opset both the TorchScript
+    exporter of the installed torch and the installed onnx know."""
+    opset = at_least(MIN_OPSET)(text)
+    newest = _newest_opset()
+    if opset > newest:
+        raise argparse.ArgumentTypeError(
+            f"opset {opset} is newer than the installed torch and onnx export (at most "
+            f"{newest}); give {MIN_OPSET} to {newest}"
+        )
+    return opset
+
+
+def _newest_opset() -> int:
+    import onnx.defs
+    from torch.onnx import _constants
+
+    exporter = getattr(_constants, "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET", _constants.ONNX_MAX_OPSET)
+    return min(exporter, onnx.defs.onnx_opset_version())
+
+
+def _exported_input_shape(model) -> list[int | None] | None:
+    """The input's dimensions (None where dynamic) of a torch.export program's module
+    with one tensor input, else None."""
+    graph = getattr(model, "graph", None)
+    if "train" not in getattr(model, "__dict__", {}) or graph is None:
+        return None  # not ExportedProgram.module()
+    values = [node.meta.get("val") for node in graph.nodes if node.op == "placeholder"]
+    if len(values) != 1 or not hasattr(values[0], "shape"):
+        return None
+    return [dim if isinstance(dim, int) else None for dim in values[0].shape]
+
+
+def _settle_input_shape(args: argparse.Namespace, shape: list[int | None] | None) -> None:
+    """args.batch and args.input_size: as given, else the static dimensions a .pt2 file
+    was exported for, else the defaults; BladesmithError when a given one contradicts a
+    static dimension (the program's guards would refuse it)."""
+    from bladesmith.errors import BladesmithError
+
+    if shape is not None and (len(shape) != 4 or shape[1] not in (3, None)):
+        raise BladesmithError(
+            f"model {args.model!r} was exported for an input of shape "
+            f"{_shape_text(shape)}; export onnx takes an image batch [N, 3, H, W]"
+        )
+    shape = shape or [None] * 4
+    given = (args.batch, *(args.input_size or (None, None)))
+    clash = [
+        flag
+        for flag, want, static in zip(
+            ("--batch", "--input-size", "--input-size"),
+            given,
+            (shape[0], shape[2], shape[3]),
+            strict=True,
+        )
+        if want is not None and static is not None and want != static
+    ]
+    if clash:
+        raise BladesmithError(
+            f"{clash[0]}: model {args.model!r} was exported for input {_shape_text(shape)}, "
+            f"static where a number is given; leave {clash[0]} out, or export the program "
+            "with dynamic dimensions (torch.export.Dim)"
+        )
+    args.batch = args.batch or shape[0] or 1
+    if args.input_size is None:
+        args.input_size = (shape[2] or DEFAULT_SIZE[0], shape[3] or DEFAULT_SIZE[1])
+
+
+def _shape_text(shape) -> str:
+    return "[" + ", ".join("?" if dim is None else str(dim) for dim in shape) + "]"
 
 
 def _add_triton_parser(formats) -> None:

@@ -64,8 +64,8 @@ def load_model_file(path) -> nn.Module:
         raise error(f"model {path!r}: {problem}")
     if path.endswith(ONNX_SUFFIX):
         raise BladesmithError(
-            f"model {path!r}: an ONNX model; optimize takes a TorchScript (.pt) or "
-            "torch.export (.pt2) file (ONNX models go to bladesmith check and fix)"
+            f"model {path!r}: an ONNX model, where a TorchScript (.pt) or torch.export "
+            "(.pt2) file is needed (ONNX models go to bladesmith check and fix)"
         )
     with contextlib.suppress(ImportError, BladesmithError):  # models may use our ops
         from bladesmith import ops

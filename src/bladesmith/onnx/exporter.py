@@ -85,6 +85,7 @@ def _torch_export(
         warnings.catch_warnings(),
         torch.no_grad(),
         _mha_fastpath_off(),
+        _training_mode(model) as training,
     ):
         # A domain the graph uses is declared at version 1 by the exporter itself; one
         # declared here and unused makes torch warn on stderr ("Custom opset domain ...
@@ -108,6 +109,7 @@ def _torch_export(
                 dynamic_axes=dynamic_axes,
                 custom_opsets=custom_opsets,
                 do_constant_folding=True,
+                training=training,
             )
         except BladesmithError:
             raise
@@ -188,6 +190,32 @@ def _mha_fastpath_off():
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(enabled)
+
+
+@contextlib.contextmanager
+def _training_mode(model):
+    """torch.onnx.export's ``training`` for ``model``: EVAL (the exporter calls
+    ``model.train(False)``), or PRESERVE for a torch.export program's module
+    (``ExportedProgram.module()``, what a .pt2 file loads as), whose ``train()`` raises:
+    its graph keeps the mode it was exported in; its modules' ``training`` flags read
+    False meanwhile, so that the exporter exports inference. Entered inside the export's
+    ``warnings.catch_warnings()``, which undoes its filters."""
+    if "train" not in getattr(model, "__dict__", {}):
+        yield torch.onnx.TrainingMode.EVAL
+        return
+    # Said of PRESERVE whatever the flags; and the program's input guards trace as
+    # constants, which is what they are for one export.
+    warnings.filterwarnings("ignore", message="It is recommended that constant folding")
+    warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+    modules = list(model.modules())
+    flags = [module.training for module in modules]
+    for module in modules:
+        module.training = False
+    try:
+        yield torch.onnx.TrainingMode.PRESERVE
+    finally:
+        for module, flag in zip(modules, flags, strict=True):
+            module.training = flag
 
 
 def _finish(raw: Path, out: Path, external_data: bool | None, baked: list[dict]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from bladesmith.bench import percentile
@@ -97,8 +98,8 @@ def compare_tensors(reference, candidate, rtol=None, atol=None) -> TensorCompari
     different shape, or NaN/inf where the other output has something else, fails.
     Positions NaN in both, or the same infinity in both, agree.
     """
-    reference = torch.as_tensor(reference).detach().cpu()
-    candidate = torch.as_tensor(candidate).detach().cpu()
+    reference = _as_tensor(reference).detach().cpu()
+    candidate = _as_tensor(candidate).detach().cpu()
     ref_rtol, ref_atol = default_tolerance(reference.dtype)
     cand_rtol, cand_atol = default_tolerance(candidate.dtype)
     rtol = max(ref_rtol, cand_rtol) if rtol is None else float(rtol)
@@ -127,6 +128,20 @@ def compare_tensors(reference, candidate, rtol=None, atol=None) -> TensorCompari
     _fill_statistics(result, reference, candidate)
     result.passed = result.out_of_tolerance == 0
     return result
+
+
+def _as_tensor(value) -> torch.Tensor:
+    """``value`` as a tensor. A numpy array of one of numpy's platform aliases that torch
+    does not take (``ulonglong``, what ONNX Runtime returns for uint64 on Linux, where
+    ``uint64`` is ``ulong``), or in a non-native byte order, is first viewed or copied as
+    the sized type of the same kind and width, so its values stay exact."""
+    if isinstance(value, np.ndarray | np.generic) and value.dtype.kind in "biufc":
+        array = np.asarray(value)
+        sized = np.dtype(array.dtype.str).newbyteorder("=")
+        if array.dtype.type is not sized.type or not array.dtype.isnative:
+            array = array.view(sized) if array.dtype.isnative else array.astype(sized)
+        return torch.as_tensor(array)
+    return torch.as_tensor(value)
 
 
 def _fill_statistics(result: TensorComparison, reference, candidate) -> None:

@@ -75,7 +75,11 @@ def opset_in_range(view: GraphView, target: Target) -> list[Finding]:
                 node=None,
                 message=f"the model uses opset {opset}; {target.title} needs "
                 f"{documented.low} or newer",
-                hint=f"`bladesmith fix` converts it (onnx.version_converter) to {documented.low}",
+                hint=(
+                    f"`bladesmith fix` converts it to {documented.low} where "
+                    "onnx.version_converter can without changing the model's inputs; "
+                    f"otherwise export again with opset_version={documented.low} or newer"
+                ),
                 source=documented.source,
             )
         ]

@@ -1,6 +1,8 @@
 """Whether the file is a graph the other rules can judge: it has a graph and an opset,
-every value a node reads comes from somewhere, and no node depends on itself. Each
-problem is one finding for the whole model (target 'all'); when there is one, no other rule runs."""
+every value a node reads comes from somewhere, no node depends on itself, and ONNX's
+strict shape and type inference accepts it (a Conv whose input has the wrong rank, an Add
+of float and int64: what ONNX Runtime refuses to load). Each problem is one finding for
+the whole model (target 'all'); when there is one, no other rule runs."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ RULE = "invalid-graph"
 
 def invalid_graph(model: onnx.ModelProto) -> list[Finding]:
     """One finding per problem: no graph, no default-domain opset, inputs nothing
-    produces, a cycle."""
+    produces, a cycle, or (when the graph has none of those) a node that ONNX's strict
+    shape and type inference rejects."""
     problems = []
     if not model.HasField("graph"):
         problems.append(("the model has no graph", "export the model again"))
@@ -40,6 +43,16 @@ def invalid_graph(model: onnx.ModelProto) -> list[Finding]:
                 (
                     f"the graph has a cycle through {_first(cycle)}",
                     "a graph must be acyclic; loops belong in a Loop or Scan body",
+                )
+            )
+    if not problems:
+        inference = _inference_error(model)
+        if inference:
+            problems.append(
+                (
+                    f"ONNX's strict shape and type inference rejects the graph: {inference}",
+                    "ONNX Runtime refuses such a model too: correct the node, or the shapes "
+                    "of the graph inputs that reach it, or export the model again",
                 )
             )
     return [
@@ -90,3 +103,22 @@ def _cycle(graph: onnx.GraphProto) -> list[str]:
         for i in range(len(graph.node))
         if i not in done
     ]
+
+
+def _inference_error(model: onnx.ModelProto) -> str | None:
+    """The first error of onnx's strict shape and type inference, in one line, or None.
+
+    An error inside an ONNX function body's expansion (onnx infers a function operator
+    without an inference function of its own through its body) is not reported: onnx
+    1.23 fails on some valid bodies (MeanVarianceNormalization's Constant with a
+    referenced attribute), and ONNX Runtime runs such operators with its own kernels."""
+    try:
+        onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    except onnx.shape_inference.InferenceError as error:
+        message = " ".join(str(error).split())
+        if message.count("(op_type:") > 1:  # nested: inside a function body
+            return None
+        return message[:500]
+    except (ValueError, onnx.checker.ValidationError):  # > 2 GiB, or not serialisable
+        return None
+    return None
