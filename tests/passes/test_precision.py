@@ -258,3 +258,51 @@ def test_roi_heads_bf16_runs_a_two_stage_detectors_heads_alone_in_bfloat16_and_s
         optimized(list(images)), outputs, score_atol=detection_score_tolerance(torch.bfloat16)
     )
     assert same.passed, same
+
+
+def test_roi_heads_bf16_runs_torchvisions_own_roi_heads_in_bfloat16(monkeypatch):
+    """A torchvision detector that fixed_shape does not convert (Keypoint R-CNN): the
+    heads of torchvision's RoIHeads (it calls them as layers) run in bfloat16; before,
+    the pass iterated over the RoIHeads module itself (TypeError)."""
+    import torchvision
+
+    import bladesmith
+    import bladesmith.passes.precision as precision
+    from bladesmith.config import Config
+    from bladesmith.passes.precision import RoIHeadsBFloat16
+
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)  # whatever this CPU is
+    torch.manual_seed(0)
+    model = torchvision.models.detection.keypointrcnn_resnet50_fpn(
+        weights=None,
+        weights_backbone=None,
+        min_size=64,
+        max_size=64,
+        num_keypoints=3,
+        rpn_pre_nms_top_n_test=50,
+        rpn_post_nms_top_n_test=20,
+        box_detections_per_img=10,
+        box_score_thresh=0.0,  # random weights: keep some detections
+    ).eval()
+    images = [torch.rand(3, 64, 64)]
+    context = context_for((images,))
+    candidate = Candidate(module=model, device=torch.device("cpu"))
+    assert RoIHeadsBFloat16().skip_reason(candidate, context) is None
+    mixed = RoIHeadsBFloat16().apply(candidate, context)
+    heads = mixed.module.roi_heads
+    names = ("box_head", "box_predictor", "keypoint_head", "keypoint_predictor")
+    assert all(computes_in_bfloat16(getattr(heads, name)) for name in names)
+    assert heads.mask_head is None  # absent heads stay absent
+    assert next(mixed.module.backbone.parameters()).dtype == torch.float32
+    assert not computes_in_bfloat16(model.roi_heads.box_head)  # the model is untouched
+    with torch.no_grad():
+        (out,), (expected,) = mixed(images), model(images)
+    assert out.keys() == expected.keys() and len(out["boxes"]) > 0
+    assert all(value.dtype == expected[key].dtype for key, value in out.items())
+
+    config = Config(warmup=0, iters=1, min_speedup=0.01, allow_degenerate=True, progress=False)
+    _, _, report = bladesmith.optimize(
+        model, device="cpu", test_data=[(images,)], config=config, passes=[RoIHeadsBFloat16()]
+    )
+    (record,) = report.optimizations
+    assert record.status != "failed", record.reason

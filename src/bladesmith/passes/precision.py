@@ -143,22 +143,52 @@ class _PartsInBFloat16(Pass):
 
 
 class RoIHeadsBFloat16(_PartsInBFloat16):
-    """A two-stage detector's RoI heads (the box head and predictor, a mask head and
-    predictor: every layer that runs once per region) in bfloat16: they take most of the
-    CPU time (Faster R-CNN v2's four 3x3 convolutions per proposal), and their rounding
-    does not move the proposals. The pipeline names them (``roi_heads``)."""
+    """A two-stage detector's RoI heads (the box head and predictor, a mask or keypoint
+    head and predictor: every layer that runs once per region) in bfloat16: they take
+    most of the CPU time (Faster R-CNN v2's four 3x3 convolutions per proposal), and their
+    rounding does not move the proposals. The fixed-shape pipeline names them
+    (``roi_heads``, a tuple of attribute names); in a torchvision detector that
+    fixed_shape did not convert (Keypoint R-CNN, say) they are torchvision's RoIHeads'
+    own heads, which it calls as layers."""
 
     name = "roi_heads_bf16"
 
     def absent(self, module: nn.Module) -> str | None:
-        if not any(getattr(m, "roi_heads", ()) for m in module.modules()):
-            return "the model has no RoI heads (a two-stage detector's, after fixed_shape)"
+        if not _roi_heads(module):
+            return "the model has no RoI heads (a two-stage detector's)"
         return None
 
     def wrap(self, module: nn.Module) -> None:
-        for pipeline in list(module.modules()):
-            for name in getattr(pipeline, "roi_heads", ()):
-                setattr(pipeline, name, in_bfloat16(getattr(pipeline, name)))
+        for parent, name in _roi_heads(module):
+            setattr(parent, name, in_bfloat16(getattr(parent, name)))
+
+
+# torchvision's RoIHeads: the layers it calls once per region (None when absent).
+_TORCHVISION_HEADS = (
+    "box_head",
+    "box_predictor",
+    "mask_head",
+    "mask_predictor",
+    "keypoint_head",
+    "keypoint_predictor",
+)
+
+
+def _roi_heads(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute name) of each per-region layer in ``module``: those a pipeline
+    names in ``roi_heads`` (a tuple of names; torchvision's detectors hold a module under
+    that name), and those of each torchvision RoIHeads."""
+    from torchvision.models.detection.roi_heads import RoIHeads
+
+    found = []
+    for parent in module.modules():
+        names = getattr(parent, "roi_heads", None)
+        if isinstance(parent, RoIHeads):
+            names = [n for n in _TORCHVISION_HEADS if getattr(parent, n, None) is not None]
+        elif not isinstance(names, tuple):
+            continue
+        found.extend((parent, name) for name in names)
+    return found
 
 
 class LinearBFloat16(_PartsInBFloat16):
