@@ -103,7 +103,10 @@ def first_line(error: BaseException) -> str:
     """The sentence of an error's message that says what went wrong: the first line's
     first sentence (torch's carry advice and C++ stacks after it), or the last line for
     TorchScript's interpreter, whose message starts with the Python stack."""
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    from bladesmith.errors import without_values
+
+    text = without_values(str(error)).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
         return type(error).__name__
     line = lines[-1] if lines[0].startswith("The following operation failed") else lines[0]

@@ -21,9 +21,25 @@ _MAX_ERROR_CHARS = 400
 
 
 def describe(error: BaseException) -> str:
-    """One line for a report: the error's type and message, cut at 400 characters."""
-    text = f"{type(error).__name__}: {error}".strip()
+    """One line for a report: the error's type and message, cut at 400 characters (tensor
+    values elided)."""
+    text = " ".join(f"{type(error).__name__}: {without_values(str(error))}".split())
     return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
+
+
+def without_values(text: str) -> str:
+    """``text`` with each printed tensor (``tensor([[0.1, ...]])``, which torch's tracer
+    puts in its messages, many lines of them) shortened to ``tensor(...)``."""
+    parts, start = [], 0
+    while (found := text.find("tensor(", start)) >= 0:
+        depth, end = 0, found + len("tensor")
+        for end in range(found + len("tensor"), len(text)):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        parts.append(text[start:found] + "tensor(...)")
+        start = end + 1
+    return "".join(parts) + text[start:]
 
 
 class ModelRunError(BladesmithError):
