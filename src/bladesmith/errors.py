@@ -44,3 +44,8 @@ def without_values(text: str) -> str:
 
 class ModelRunError(BladesmithError):
     """The model as given failed on its test inputs (a wrong input size, say)."""
+
+
+class StatefulModelError(BladesmithError):
+    """Calling the model changes its own parameters or buffers (a counter, batch norm
+    statistics): its outputs depend on how often it ran, so they cannot be verified."""
