@@ -441,10 +441,28 @@ def _reference_outputs(given: Candidate, context: Context) -> list:
         ]
         raise ModelRunError(
             f"the model as given failed on the test inputs (tensors of shapes {shapes}): "
-            f"{first_line(error)}"
+            f"{first_line(_with_message(error, given, context))}"
         ) from error
     _check_state_kept(given, context, before)
     return outputs
+
+
+def _with_message(error: Exception, given: Candidate, context: Context) -> Exception:
+    """``error``, or, when it lost its message, the error the model raises outside
+    bladesmith's dispatch modes. The operator recording that the reference run is made
+    under (``libraries.recording``) routes each operator through Python, and TorchScript's
+    interpreter then keeps only an empty ``RuntimeError:`` of what the operator raised
+    (a 1-channel model given 3 channels said nothing else)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    if not first_line(error).endswith(":"):
+        return error
+    try:
+        with _disable_current_modes():
+            _outputs(given, context)
+    except Exception as plain:
+        return plain
+    return error
 
 
 def _check_state_kept(given: Candidate, context: Context, before: dict) -> None:
