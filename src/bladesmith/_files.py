@@ -89,7 +89,15 @@ def contents(path: str | os.PathLike) -> str:
             return "a torch.export or AOTInductor package"
         if any("/code/" in name for name in names):
             return "a TorchScript model"
-        if any(name.endswith("/data.pkl") for name in names):
+        pickled = [name for name in names if name.endswith("/data.pkl")]
+        if pickled:
+            with zipfile.ZipFile(path) as archive, archive.open(pickled[0]) as stream:
+                top = _pickled_class(stream)
+            if top is not None:
+                return (
+                    f"a pickled {top} (torch.save(model)), which loads only with its Python "
+                    "code; not a model file"
+                )
             return "a torch.save file (tensors or a state dict), not a model"
         return "a ZIP archive without a model in it"
     if head.startswith(b"\x80"):
@@ -99,11 +107,36 @@ def contents(path: str | os.PathLike) -> str:
     return "neither a ZIP archive nor a model file (unrecognised bytes)"
 
 
+# What a torch.save file of tensors and dicts of them refers to in its pickle.
+_DATA_MODULES = ("torch", "torch._utils", "collections", "builtins", "__builtin__", "numpy")
+
+
+def _pickled_class(stream) -> str | None:
+    """The class of the object a torch.save pickle holds (``torchvision.models.resnet.
+    ResNet``), when it is not tensors or containers of them: its first global, read from
+    the opcodes without unpickling anything."""
+    import pickletools
+
+    try:
+        for opcode, argument, _ in pickletools.genops(stream):
+            if opcode.name == "GLOBAL":
+                module, _, name = str(argument).partition(" ")
+                return None if module in _DATA_MODULES else f"{module}.{name}"
+            if opcode.name == "STACK_GLOBAL":  # protocol 4+: the names were pushed before
+                return None
+    except Exception:  # a damaged pickle: say what the caller says of it
+        return None
+    return None
+
+
 def first_line(error: BaseException) -> str:
     """The sentence of an error's message that says what went wrong: the first line's
     first sentence (torch's carry advice and C++ stacks after it), or the last line for
     TorchScript's interpreter, whose message starts with the Python stack."""
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    from bladesmith.errors import without_values
+
+    text = without_values(str(error)).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
         return type(error).__name__
     line = lines[-1] if lines[0].startswith("The following operation failed") else lines[0]

@@ -1,5 +1,7 @@
 """Errors that bladesmith raises on purpose; the CLI prints them without a traceback."""
 
+import re
+
 
 class BladesmithError(Exception):
     """Base class: a problem the user can act on, described in the message."""
@@ -21,10 +23,60 @@ _MAX_ERROR_CHARS = 400
 
 
 def describe(error: BaseException) -> str:
-    """One line for a report: the error's type and message, cut at 400 characters."""
-    text = f"{type(error).__name__}: {error}".strip()
+    """One line for a report: the error's type and message, cut at 400 characters (tensor
+    values elided)."""
+    text = one_line(f"{type(error).__name__}: {error}")
     return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
+
+
+def one_line(text: str) -> str:
+    """``text`` (an error's message) on one line: a TorchScript stack inside it replaced by
+    the error it ends with, tensor values elided, whitespace runs made one space."""
+    return " ".join(without_values(fold_torchscript(text)).split())
+
+
+_TORCHSCRIPT_STACK = "The following operation failed in the TorchScript interpreter"
+# The error a TorchScript stack ends with: the first line at the margin naming one (the
+# stack's code lines are indented).
+_STACK_END = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception):[ \t]*(.*)$", re.MULTILINE)
+
+
+def fold_torchscript(text: str) -> str:
+    """``text`` with a TorchScript interpreter's stack (``The following operation failed
+    in the TorchScript interpreter. Traceback of TorchScript ...``, dozens of lines of
+    code) replaced by the message of the error it ends with."""
+    start = text.find(_TORCHSCRIPT_STACK)
+    if start < 0:
+        return text
+    end = _STACK_END.search(text, start)
+    if end is None:
+        return text
+    cause = end.group(1).strip() or "TorchScript gave no message"
+    rest = text[end.end() :]
+    if rest.lstrip().startswith((")", ".", ",", ";")):  # what wrapped it goes on
+        rest = rest.lstrip()
+    return text[:start] + cause + rest
+
+
+def without_values(text: str) -> str:
+    """``text`` with each printed tensor (``tensor([[0.1, ...]])``, which torch's tracer
+    puts in its messages, many lines of them) shortened to ``tensor(...)``."""
+    parts, start = [], 0
+    while (found := text.find("tensor(", start)) >= 0:
+        depth, end = 0, found + len("tensor")
+        for end in range(found + len("tensor"), len(text)):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        parts.append(text[start:found] + "tensor(...)")
+        start = end + 1
+    return "".join(parts) + text[start:]
 
 
 class ModelRunError(BladesmithError):
     """The model as given failed on its test inputs (a wrong input size, say)."""
+
+
+class StatefulModelError(BladesmithError):
+    """Calling the model changes its own parameters or buffers (a counter, batch norm
+    statistics): its outputs depend on how often it ran, so they cannot be verified."""

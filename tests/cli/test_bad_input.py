@@ -46,6 +46,8 @@ _NAMES = {
     "state_dict": "linear_state.pt",
     "checkpoint": "checkpoint.pth",
     "onnx": "identity.onnx",
+    "gray": "gray.pt",
+    "pickled": "pickled_model.pt",
     "unwritable": "no/such/folder/out",
 }
 
@@ -63,6 +65,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
     torch.jit.script(Fixed()).save(str(f["fixed"]))
     f["corrupt"].write_bytes(f["model"].read_bytes()[:2000])
     torch.save(torch.zeros(3), f["tensor"])
+    gray = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU())  # 1-channel images only
+    torch.jit.trace(gray, torch.rand(1, 1, 8, 8)).save(str(f["gray"]))
+    torch.save(nn.Sequential(nn.Conv2d(3, 4, 3)), f["pickled"])  # torch.save(model)
     torch.save(nn.Linear(2, 2).state_dict(), f["state_dict"])
     torch.save({"model": nn.Linear(2, 2).state_dict(), "epoch": 3}, f["checkpoint"])
     graph = helper.make_graph(
@@ -115,6 +120,10 @@ def _table() -> list[tuple[str, str, str]]:
         ("doctor-site-dir-missing", "doctor --site-dir {missing}", "--site-dir"),
         ("doctor-site-dir-a-file", "doctor --site-dir {model}", "--site-dir"),
         ("optimize-wrong-input-size", "optimize {fixed} --input-size 16x16", "--input-size"),
+        ("optimize-wrong-channels", "optimize {gray} --input-size 16x16", "--input-size"),
+        ("export-wrong-channels", "export onnx {gray} o.onnx --input-size 16x16", "--input-size"),
+        ("optimize-pickled-model", "optimize {pickled}", "pickled"),
+        ("weights-pickled-model", f"optimize {SMALL_BUILTIN} --weights {{pickled}}", "pickled"),
         ("optimize-unknown-builtin", "optimize torchvision:nonsense", "nonsense"),
         ("optimize-iters-0", "optimize {model} --iters 0", "--iters"),
         ("optimize-warmup-negative", "optimize {model} --warmup -1", "--warmup"),
@@ -176,6 +185,30 @@ def test_bad_input_gets_one_line_and_exit_code_2(case_id, files, capsys, monkeyp
     assert "Traceback" not in err
     expected = files[names].name if names in files else names
     assert expected in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "line", ["optimize {gray} --input-size 16x16", "export onnx {gray} o.onnx --input-size 16x16"]
+)
+def test_a_torchscript_models_own_error_is_its_cause_in_one_short_line(
+    line, files, capsys, monkeypatch, tmp_path
+):
+    """TorchScript's message is its stack, then the error: once the cause was empty
+    (optimize: "RuntimeError:;"), or the whole stack folded into ~2,500 characters
+    (export). The line names the file, the cause and the flags, and nothing else."""
+    monkeypatch.chdir(tmp_path)
+    code, err = _run([word.format(**files) for word in line.split()], capsys)
+    (error,) = [text for text in err.splitlines() if text.strip()]
+    assert code == 2 and files["gray"].name in error and "--batch" in error, error
+    assert "to have 1 channels, but got 3 channels instead" in error, error
+    assert "HERE" not in error and len(error) < 400, error
+
+
+def test_a_pickled_model_is_named_as_one_with_what_to_save_instead(files, capsys):
+    code, err = _run(["optimize", str(files["pickled"])], capsys)
+    assert code == 2
+    assert "a pickled torch.nn.modules.container.Sequential (torch.save(model))" in err, err
+    assert "torch.jit.trace" in err and "torch.export.save" in err and "state dict" not in err
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root reads any file")

@@ -100,3 +100,22 @@ def test_demo_on_cpu_times_fewer_runs_and_says_so(monkeypatch, capsys):
     assert args.model == optimize_cli.DEFAULT_MODEL and args.input_size == (480, 640)
     assert (args.warmup, args.iters) == optimize_cli.DEMO_CPU_TIMING
     assert "to keep the demo short" in capsys.readouterr().err
+
+
+def test_bench_gives_no_speedup_between_artifacts_of_different_input_shapes():
+    """Before, 0.20x between a batch of 1 and a batch of 8, beside "not compared:
+    another input shape"."""
+    import torch
+
+    from bladesmith.cli.optimize import _time_side_by_side
+
+    def artifact(shape):
+        row = {"device": "cpu", "input_shape": shape}
+        return row, None, lambda: torch.ones(64).sum()
+
+    rows = _time_side_by_side(
+        [artifact([1, 3, 8, 8]), artifact([8, 3, 8, 8]), artifact([1, 3, 8, 8])], 0, 3
+    )
+    assert rows[0]["speedup"] == "1.00x"
+    assert rows[1]["speedup"] is None and rows[1]["timing"]["iterations"] == 3
+    assert rows[2]["speedup"].endswith("]")  # same shape: timed against the first

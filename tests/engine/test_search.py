@@ -534,3 +534,55 @@ def test_the_final_never_slower_check_times_again_while_the_noise_holds_parity(m
     assert final(dataclasses.replace(speedup, ratio=0.97, low=0.90, high=1.06))
     assert not final(dataclasses.replace(speedup, ratio=0.90, low=0.85, high=0.95))
     assert not final(dataclasses.replace(speedup, ratio=1.02, low=0.95, high=1.10))
+
+
+class Counting(nn.Module):
+    """Updates a buffer on every call: its outputs depend on how often it ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count += 1
+        return self.fc(x) + self.count
+
+
+class CachedOnce(nn.Module):
+    """Builds a buffer on its first call and reuses it: not stateful after that."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.register_buffer("table", torch.zeros(4))
+
+    def forward(self, x):
+        if not bool(self.table.any()):
+            self.table.copy_(torch.arange(1.0, 5.0))
+        return self.fc(x) + self.table
+
+
+def test_a_model_that_changes_its_own_buffers_is_refused_in_one_line():
+    """Before, optimize verified and timed a counter that every run advanced (atol 10,
+    blamed on rounding) and returned a copy whose counter had moved on: 42.5 for 0.5."""
+    from bladesmith.errors import StatefulModelError
+
+    model = Counting().eval()
+    with pytest.raises(StatefulModelError) as raised:
+        bladesmith.optimize(model, device="cpu", test_data=[(torch.rand(2, 8),)], config=QUICK)
+    message = str(raised.value)
+    assert "\n" not in message and "buffer 'count'" in message and "eval mode" in message
+    assert model.count.item() == 0  # the model given is untouched
+
+
+def test_models_whose_calls_keep_their_state_are_not_refused():
+    """Batch norm in eval mode (a model given in training mode is optimized in eval
+    mode), and a buffer built on the first call only, change nothing later."""
+    x = torch.rand(2, 3, 8, 8)
+    for model, args in (
+        (nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).train(), (x,)),
+        (CachedOnce().eval(), (torch.rand(2, 8),)),
+    ):
+        optimized, _, _ = bladesmith.optimize(model, device="cpu", test_data=[args], config=QUICK)
+        torch.testing.assert_close(optimized(*args), model.eval()(*args))

@@ -101,11 +101,17 @@ def test_bf16_is_tried_on_a_cpu_only_where_it_computes_in_bfloat16(monkeypatch):
 
 
 def computes_in_bfloat16(layer) -> bool:
-    """Whether ``layer`` is wrapped to compute in bfloat16 (back to float32 after)."""
+    """Whether ``layer`` computes in bfloat16 (back to float32 after): wrapped, or a
+    Linear layer converted where it is."""
+    in_bfloat16 = all(p.dtype == torch.bfloat16 for p in layer.parameters())
+    if isinstance(layer, nn.Linear):
+        with torch.no_grad():
+            out = layer(torch.randn(2, layer.in_features))
+        return in_bfloat16 and out.dtype == torch.float32
     return (
         isinstance(layer, CastFloats)
         and (layer.dtype, layer.output_dtype) == (torch.bfloat16, torch.float32)
-        and all(p.dtype == torch.bfloat16 for p in layer.parameters())
+        and in_bfloat16
     )
 
 
@@ -128,7 +134,7 @@ def test_linear_bf16_runs_the_linear_layers_alone_in_bfloat16_and_saves(tmp_path
     assert mixed.dtype == torch.bfloat16
     assert isinstance(mixed.module[0], nn.Conv2d) and mixed.module[0].weight.dtype == torch.float32
     assert all(computes_in_bfloat16(mixed.module[i]) for i in (2, 4))
-    assert isinstance(model[2], nn.Linear)  # the model given is untouched
+    assert model[2].weight.dtype == torch.float32 and not model[2]._forward_hooks  # untouched
     with torch.no_grad():
         out, expected = mixed(x), model(x)
     assert out.dtype == torch.float32 and not torch.equal(out, expected)
@@ -146,6 +152,55 @@ def test_linear_bf16_runs_the_linear_layers_alone_in_bfloat16_and_saves(tmp_path
     outputs, problem = fresh_load.run_saved(bladesmith.save(optimized, tmp_path / "m.pt"), (x,))
     assert problem is None
     torch.testing.assert_close(outputs, optimized(x))
+
+
+def _transformers():
+    import torchvision
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True).eval()
+    vit = torchvision.models.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64
+    ).eval()
+    nn.init.normal_(vit.heads.head.weight, std=0.02)  # torchvision's is all zeros
+    return [(layer, torch.randn(2, 16, 64)), (vit, torch.rand(2, 3, 32, 32))]
+
+
+def test_linear_bf16_runs_a_transformers_mlps_in_bfloat16_and_leaves_attention_alone(
+    monkeypatch,
+):
+    """nn.MultiheadAttention reads its out_proj's weight itself (a wrapped out_proj had
+    none: AttributeError), and nn.TransformerEncoderLayer's fused path reads linear1's and
+    linear2's: the MLPs compute in bfloat16, out_proj stays float32, and the pass runs
+    through the gate."""
+    import bladesmith
+    import bladesmith.passes.precision as precision
+    from bladesmith.config import Config
+    from bladesmith.passes.precision import LinearBFloat16
+
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)  # whatever this CPU is
+    for model, x in _transformers():
+        context = context_for((x,))
+        mixed = LinearBFloat16().apply(Candidate(module=model, device=torch.device("cpu")), context)
+        attention = [m for m in mixed.module.modules() if isinstance(m, nn.MultiheadAttention)]
+        assert attention and all(a.out_proj.weight.dtype == torch.float32 for a in attention)
+        mlps = [
+            m
+            for m in mixed.module.modules()
+            if isinstance(m, nn.Linear) and all(m is not a.out_proj for a in attention)
+        ]
+        assert mlps and all(computes_in_bfloat16(m) for m in mlps)
+        with torch.no_grad():
+            out, expected = mixed(x), model(x)
+        assert out.dtype == torch.float32 and not torch.equal(out, expected)
+        torch.testing.assert_close(out, expected, rtol=5e-2, atol=5e-2)
+
+        config = Config(warmup=0, iters=2, min_speedup=0.01, progress=False)
+        _, spec, report = bladesmith.optimize(
+            model, device="cpu", test_data=[(x,)], config=config, passes=[LinearBFloat16()]
+        )
+        (record,) = report.optimizations
+        assert record.status != "failed", record.reason
 
 
 def test_roi_heads_bf16_runs_a_two_stage_detectors_heads_alone_in_bfloat16_and_saves(
@@ -203,3 +258,51 @@ def test_roi_heads_bf16_runs_a_two_stage_detectors_heads_alone_in_bfloat16_and_s
         optimized(list(images)), outputs, score_atol=detection_score_tolerance(torch.bfloat16)
     )
     assert same.passed, same
+
+
+def test_roi_heads_bf16_runs_torchvisions_own_roi_heads_in_bfloat16(monkeypatch):
+    """A torchvision detector that fixed_shape does not convert (Keypoint R-CNN): the
+    heads of torchvision's RoIHeads (it calls them as layers) run in bfloat16; before,
+    the pass iterated over the RoIHeads module itself (TypeError)."""
+    import torchvision
+
+    import bladesmith
+    import bladesmith.passes.precision as precision
+    from bladesmith.config import Config
+    from bladesmith.passes.precision import RoIHeadsBFloat16
+
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)  # whatever this CPU is
+    torch.manual_seed(0)
+    model = torchvision.models.detection.keypointrcnn_resnet50_fpn(
+        weights=None,
+        weights_backbone=None,
+        min_size=64,
+        max_size=64,
+        num_keypoints=3,
+        rpn_pre_nms_top_n_test=50,
+        rpn_post_nms_top_n_test=20,
+        box_detections_per_img=10,
+        box_score_thresh=0.0,  # random weights: keep some detections
+    ).eval()
+    images = [torch.rand(3, 64, 64)]
+    context = context_for((images,))
+    candidate = Candidate(module=model, device=torch.device("cpu"))
+    assert RoIHeadsBFloat16().skip_reason(candidate, context) is None
+    mixed = RoIHeadsBFloat16().apply(candidate, context)
+    heads = mixed.module.roi_heads
+    names = ("box_head", "box_predictor", "keypoint_head", "keypoint_predictor")
+    assert all(computes_in_bfloat16(getattr(heads, name)) for name in names)
+    assert heads.mask_head is None  # absent heads stay absent
+    assert next(mixed.module.backbone.parameters()).dtype == torch.float32
+    assert not computes_in_bfloat16(model.roi_heads.box_head)  # the model is untouched
+    with torch.no_grad():
+        (out,), (expected,) = mixed(images), model(images)
+    assert out.keys() == expected.keys() and len(out["boxes"]) > 0
+    assert all(value.dtype == expected[key].dtype for key, value in out.items())
+
+    config = Config(warmup=0, iters=1, min_speedup=0.01, allow_degenerate=True, progress=False)
+    _, _, report = bladesmith.optimize(
+        model, device="cpu", test_data=[(images,)], config=config, passes=[RoIHeadsBFloat16()]
+    )
+    (record,) = report.optimizations
+    assert record.status != "failed", record.reason

@@ -123,4 +123,6 @@ def _stdout_closed() -> int:
 
 
 def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
+    from bladesmith.errors import one_line
+
+    return one_line(str(error)) or type(error).__name__

@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
     model, output_names = _load_model(args)
     images = sample_images(args.batch, args.input_size)
+    _check_runs(model, images, args)
     path = export(
         model,
         (images,),
@@ -202,6 +203,30 @@ def _settle_input_shape(args: argparse.Namespace, shape: list[int | None] | None
 
 def _shape_text(shape) -> str:
     return "[" + ", ".join("?" if dim is None else str(dim) for dim in shape) + "]"
+
+
+def _check_runs(model, images, args) -> None:
+    """A model file run once on the images before the export: when it fails there, the
+    exporter's message would bury the cause in its stack and name neither the file nor
+    the flags to change."""
+    import torch
+
+    from bladesmith._files import first_line
+    from bladesmith.cli.models import BUILTIN_MODELS, DETECTORS
+    from bladesmith.errors import BladesmithError
+
+    if args.model in BUILTIN_MODELS or args.model in DETECTORS:  # built for the size
+        return
+    try:
+        with torch.no_grad():
+            model(images)
+    except Exception as error:
+        height, width = args.input_size
+        raise BladesmithError(
+            f"{args.model}: the model failed on images of shape {list(images.shape)}: "
+            f"{first_line(error)}; give --input-size (now {height}x{width}) and --batch (now "
+            f"{args.batch}) that the model takes"
+        ) from error
 
 
 def _add_triton_parser(formats) -> None:

@@ -262,7 +262,7 @@ def run_bench(args: argparse.Namespace) -> int:
             f"{timing['p90_ms']:.2f}",
             f"{timing['p99_ms']:.2f}",
             f"{row['input_shape'][0] * 1000 / timing['p50_ms']:.1f}",
-            row["speedup"],
+            row["speedup"] or "-",
             row.get("agreement", "(reference)"),
         )
     console = output_console()
@@ -276,7 +276,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _time_side_by_side(loaded: list, warmup: int | None, iters: int | None) -> list[dict]:
     """Each artifact's row with its timing and its speedup over the first, timed against
-    the first in alternating rounds (apart, when it runs on another device)."""
+    the first in alternating rounds (apart, when it runs on another device); an artifact
+    of another input shape is timed apart, with no speedup (None)."""
     from bladesmith import bench
     from bladesmith.config import Config
 
@@ -287,7 +288,13 @@ def _time_side_by_side(loaded: list, warmup: int | None, iters: int | None) -> l
     if len(loaded) == 1:
         first_row["timing"] = bench.measure(first_call, device=device, **counts).to_dict()
     for row, _, call in loaded[1:]:
-        if row["device"] == device:
+        if row["input_shape"] != first_row["input_shape"]:  # other work: no ratio means anything
+            first_row.setdefault(
+                "timing", bench.measure(first_call, device=device, **counts).to_dict()
+            )
+            row["timing"] = bench.measure(call, device=row["device"], **counts).to_dict()
+            row["speedup"] = None
+        elif row["device"] == device:
             speedup = bench.compare(first_call, call, device=device, **counts)
             first_row.setdefault("timing", speedup.baseline.to_dict())
             row["speedup"] = speedup.describe()

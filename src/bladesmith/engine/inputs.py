@@ -89,9 +89,12 @@ def load_model_file(path) -> nn.Module:
         missing = libraries.missing_operator_error(error, f"model {path}")
         if missing is not None:
             raise missing from None
+        what = contents(path)
+        why = "" if what.startswith(("a pickled", "a torch.save")) else f" ({first_line(error)})"
         raise BladesmithError(
-            f"model {path!r}: not a TorchScript model but {contents(path)} "
-            f"({first_line(error)}); save one with torch.jit.save(torch.jit.script(model), "
+            f"model {path!r}: not a TorchScript model but {what}{why}; save one with "
+            "torch.jit.save(torch.jit.script(model) or torch.jit.trace(model, example), "
+            "path), or a .pt2 with torch.export.save(torch.export.export(model, example), "
             "path), or pass the nn.Module from Python"
         ) from error
 

@@ -42,6 +42,7 @@ from bladesmith.engine.inputs import (
 from bladesmith.engine.progress import Progress
 from bladesmith.engine.reference import Reference
 from bladesmith.engine.result import compatibility, diagnosis, spec_of, with_tried_formats
+from bladesmith.engine.state import changed, fingerprint
 from bladesmith.errors import describe
 from bladesmith.families import family_of
 from bladesmith.ops import libraries
@@ -445,8 +446,9 @@ def _reference_outputs(given: Candidate, context: Context) -> list:
     user's input to fix, not a pass's failure."""
     from bladesmith.errors import ModelRunError
 
+    before = fingerprint(given.module)
     try:
-        return _outputs(given, context)
+        outputs = _outputs(given, context)
     except Exception as error:
         shapes = [
             list(x.shape)
@@ -455,8 +457,52 @@ def _reference_outputs(given: Candidate, context: Context) -> list:
         ]
         raise ModelRunError(
             f"the model as given failed on the test inputs (tensors of shapes {shapes}): "
-            f"{first_line(error)}"
+            f"{first_line(_with_message(error, given, context))}"
         ) from error
+    _check_state_kept(given, context, before)
+    return outputs
+
+
+def _with_message(error: Exception, given: Candidate, context: Context) -> Exception:
+    """``error``, or, when it lost its message, the error the model raises outside
+    bladesmith's dispatch modes. The operator recording that the reference run is made
+    under (``libraries.recording``) routes each operator through Python, and TorchScript's
+    interpreter then keeps only an empty ``RuntimeError:`` of what the operator raised
+    (a 1-channel model given 3 channels said nothing else)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    if not first_line(error).endswith(":"):
+        return error
+    try:
+        with _disable_current_modes():
+            _outputs(given, context)
+    except Exception as plain:
+        return plain
+    return error
+
+
+def _check_state_kept(given: Candidate, context: Context, before: dict) -> None:
+    """Refuse a model whose calls change its parameters or buffers: every run of it would
+    answer differently, so no pass could be verified against it, nor timed (before, such
+    a model's counter came back advanced by every run optimize made, and the drift read
+    as rounding). A change on the first calls only (a lazy layer, a cache built once) is
+    allowed when one more call changes nothing."""
+    from bladesmith.errors import StatefulModelError
+
+    after = fingerprint(given.module)
+    if not changed(before, after):
+        return
+    OptimizedModule.from_candidate(given)(*context.example_args)
+    names = changed(after, fingerprint(given.module))
+    if not names:
+        return
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    raise StatefulModelError(
+        f"the model changes its own {shown} each time it is called, so its outputs depend "
+        "on how often it ran: bladesmith cannot verify or time such a model; make forward "
+        "leave its parameters and buffers alone (put the model in eval mode, keep a "
+        "counter or cache outside the module) and optimize again"
+    )
 
 
 def _callable(candidate: Candidate) -> Callable:

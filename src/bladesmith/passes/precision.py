@@ -154,42 +154,108 @@ class _PartsInBFloat16(Pass):
 
 
 class RoIHeadsBFloat16(_PartsInBFloat16):
-    """A two-stage detector's RoI heads (the box head and predictor, a mask head and
-    predictor: every layer that runs once per region) in bfloat16: they take most of the
-    CPU time (Faster R-CNN v2's four 3x3 convolutions per proposal), and their rounding
-    does not move the proposals. The pipeline names them (``roi_heads``)."""
+    """A two-stage detector's RoI heads (the box head and predictor, a mask or keypoint
+    head and predictor: every layer that runs once per region) in bfloat16: they take
+    most of the CPU time (Faster R-CNN v2's four 3x3 convolutions per proposal), and their
+    rounding does not move the proposals. The fixed-shape pipeline names them
+    (``roi_heads``, a tuple of attribute names); in a torchvision detector that
+    fixed_shape did not convert (Keypoint R-CNN, say) they are torchvision's RoIHeads'
+    own heads, which it calls as layers."""
 
     name = "roi_heads_bf16"
 
     def absent(self, module: nn.Module) -> str | None:
-        if not any(getattr(m, "roi_heads", ()) for m in module.modules()):
-            return "the model has no RoI heads (a two-stage detector's, after fixed_shape)"
+        if not _roi_heads(module):
+            return "the model has no RoI heads (a two-stage detector's)"
         return None
 
     def wrap(self, module: nn.Module) -> None:
-        for pipeline in list(module.modules()):
-            for name in getattr(pipeline, "roi_heads", ()):
-                setattr(pipeline, name, in_bfloat16(getattr(pipeline, name)))
+        for parent, name in _roi_heads(module):
+            setattr(parent, name, in_bfloat16(getattr(parent, name)))
+
+
+# torchvision's RoIHeads: the layers it calls once per region (None when absent).
+_TORCHVISION_HEADS = (
+    "box_head",
+    "box_predictor",
+    "mask_head",
+    "mask_predictor",
+    "keypoint_head",
+    "keypoint_predictor",
+)
+
+
+def _roi_heads(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute name) of each per-region layer in ``module``: those a pipeline
+    names in ``roi_heads`` (a tuple of names; torchvision's detectors hold a module under
+    that name), and those of each torchvision RoIHeads."""
+    from torchvision.models.detection.roi_heads import RoIHeads
+
+    found = []
+    for parent in module.modules():
+        names = getattr(parent, "roi_heads", None)
+        if isinstance(parent, RoIHeads):
+            names = [n for n in _TORCHVISION_HEADS if getattr(parent, n, None) is not None]
+        elif not isinstance(names, tuple):
+            continue
+        found.extend((parent, name) for name in names)
+    return found
 
 
 class LinearBFloat16(_PartsInBFloat16):
     """The Linear layers alone in bfloat16: a detector's box head, a transformer's MLPs,
     where most of the time goes, at the cost of their rounding only (Faster R-CNN
     MobileNetV3 on two cores: 1.8x eager, F1 1 against float32, where bf16 everywhere
-    failed the gate)."""
+    failed the gate).
+
+    Each layer is converted where it is (``linear_in_bfloat16``), not wrapped: parents
+    read their layers' weights. nn.MultiheadAttention's ``out_proj`` is left in float32:
+    the attention multiplies by its weight itself, with float32 activations."""
 
     name = "linear_bf16"
 
     def absent(self, module: nn.Module) -> str | None:
-        if not any(isinstance(m, nn.Linear) for m in module.modules()):
-            return "the model has no Linear layer"
+        if not _linear_layers(module):
+            return "the model has no Linear layer (outside attention's out_proj)"
         return None
 
     def wrap(self, module: nn.Module) -> None:
-        for parent in list(module.modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(parent, name, in_bfloat16(child))
+        for layer in _linear_layers(module):
+            linear_in_bfloat16(layer)
+
+
+def _linear_layers(module: nn.Module) -> list[nn.Linear]:
+    """The Linear layers of ``module`` that are called as layers (not those whose weights
+    an nn.MultiheadAttention reads)."""
+    inside_attention = {
+        id(child)
+        for parent in module.modules()
+        if isinstance(parent, nn.MultiheadAttention)
+        for child in parent.children()
+    }
+    return [
+        m for m in module.modules() if isinstance(m, nn.Linear) and id(m) not in inside_attention
+    ]
+
+
+def linear_in_bfloat16(layer: nn.Linear) -> nn.Linear:
+    """``layer`` (of a copy: converted in place) computing in bfloat16, its inputs cast in
+    and its outputs back to float32 by hooks. It stays an nn.Linear where it was, with its
+    ``weight``: nn.TransformerEncoderLayer's fused inference path reads
+    ``linear1.weight`` itself, and takes the path that calls its layers (so the casts
+    run) when a submodule has hooks."""
+    layer.to(torch.bfloat16)
+    layer.register_forward_pre_hook(_inputs_to_bfloat16, with_kwargs=True)
+    layer.register_forward_hook(_outputs_to_float32)
+    return layer
+
+
+def _inputs_to_bfloat16(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return pytree.tree_map(lambda x: _cast(x, torch.bfloat16), (args, kwargs))
+
+
+def _outputs_to_float32(module: nn.Module, args: tuple, outputs):
+    return pytree.tree_map(lambda x: _cast(x, torch.float32), outputs)
 
 
 def in_bfloat16(layer: nn.Module) -> CastFloats:

@@ -13,6 +13,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from bladesmith.errors import BladesmithError
+from bladesmith.verify.detections import contains_detections
+
 
 @contextmanager
 def quiet_torchscript():
@@ -32,16 +35,51 @@ def is_torchscript(module: nn.Module) -> bool:
 def freeze(module: nn.Module, example_args: tuple) -> torch.jit.ScriptModule:
     """``module`` traced on ``example_args`` (kept as is when already TorchScript),
     then frozen. Tracing records the path these inputs take: fine for the fixed-shape
-    models bladesmith produces, which have no data-dependent control flow."""
+    models bladesmith produces, which have no data-dependent control flow.
+
+    Outputs that hold a dict (torchvision's segmentation models, ``{"out": ...}``) are
+    traced with ``strict=False``, which the tracer needs to return them: their structure
+    is the model's code, not the data's. Other outputs are traced strictly, so that a list
+    whose length could follow the data is still refused; so is a detector's per-image
+    list of detection dicts (what they hold follows the data)."""
     with quiet_torchscript(), torch.no_grad():
-        scripted = (
-            module
-            if isinstance(module, torch.jit.ScriptModule)
-            else torch.jit.trace(module.eval(), example_args, check_trace=False)
-        )
+        if isinstance(module, torch.jit.ScriptModule):
+            scripted = module
+        else:
+            outputs = module.eval()(*example_args)
+            strict = contains_detections(outputs) or not _holds_dict(outputs)
+            try:
+                scripted = torch.jit.trace(module, example_args, check_trace=False, strict=strict)
+            except RuntimeError as error:  # its message prints every output tensor's values
+                if "Tracer cannot infer type of" not in str(error):
+                    raise
+                raise BladesmithError(
+                    f"TorchScript cannot hold the model's outputs, {structure(outputs)}: "
+                    "the items of a list, and the values of a dict, must all be of one type"
+                ) from error
         frozen = torch.jit.freeze(scripted.eval())
     host_scalar_constants(frozen.graph)
     return frozen
+
+
+def structure(value) -> str:
+    """``value``'s structure in a few words, its tensors as ``Tensor``: for messages that
+    must not print the values (``{'out': Tensor, 'aux': [Tensor, {'n': Tensor}]}``)."""
+    if isinstance(value, torch.Tensor):
+        return "Tensor"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key!r}: {structure(each)}" for key, each in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(structure, value)) + "]"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(structure, value)) + ("," if len(value) == 1 else "") + ")"
+    return type(value).__name__
+
+
+def _holds_dict(value) -> bool:
+    if isinstance(value, dict):
+        return True
+    return isinstance(value, (list, tuple)) and any(_holds_dict(each) for each in value)
 
 
 # Operators that read a tensor's value on the host: on a GPU tensor, a synchronisation.

@@ -1,0 +1,30 @@
+"""errors: the one-line descriptions of errors in reports and on the command line."""
+
+from __future__ import annotations
+
+import torch
+
+from bladesmith.errors import describe, without_values
+
+
+def test_describe_is_one_line_without_tensor_values():
+    """torch's tracer prints every output tensor into its message, over many lines."""
+    values = repr(torch.rand(4, 4))
+    error = RuntimeError(f"Tracer cannot infer type of {{'out': {values}}}\n:List inputs must")
+    expected = "RuntimeError: Tracer cannot infer type of {'out': tensor(...)} :List inputs must"
+    assert describe(error) == expected
+    assert without_values("a tensor(1.) and tensor([[1, (2)]])") == "a tensor(...) and tensor(...)"
+
+
+def test_a_torchscript_stack_is_folded_to_the_error_it_ends_with():
+    from bladesmith.errors import one_line
+
+    gray = torch.jit.trace(torch.nn.Conv2d(1, 4, 3), torch.rand(1, 1, 8, 8))
+    try:
+        gray(torch.rand(1, 3, 8, 8))
+    except RuntimeError as error:
+        wrapped = f"export failed ({type(error).__name__}: {error}). Check the model"
+    line = one_line(wrapped)
+    assert line.startswith("export failed (RuntimeError: Given groups=1"), line
+    assert line.endswith("but got 3 channels instead). Check the model"), line
+    assert "HERE" not in line and "Traceback" not in line
