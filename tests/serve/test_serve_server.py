@@ -374,6 +374,10 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
     assert code == 0, text[-3000:]
     assert took < 30, took
     assert "Signal (11)" not in text and "Exit timeout expired" not in text
+    # It listened where it said: loopback only (the default --host).
+    assert f"serving net: http 127.0.0.1:{http}, grpc grpc://127.0.0.1:{grpc}" in text
+    assert f"Started HTTPService at 127.0.0.1:{http}" in text
+    assert f"Started GRPCInferenceService at 127.0.0.1:{grpc}" in text
     assert "refused" in outcomes or "closed" in outcomes
     assert not _group(tritonserver[0]), "a tritonserver or stub process survived"
     assert all(_port_free(port) for port in (http, grpc, metrics))
@@ -421,3 +425,37 @@ def test_serve_that_did_not_stop_cleanly_says_so_in_one_line_and_exits_1(monkeyp
     assert main(["serve", "net.pt"]) == 1
     err = capsys.readouterr().err
     assert err == "bladesmith serve: error: serve: tritonserver did not stop cleanly: it crashed\n"
+
+
+def test_serve_refuses_bad_ports_and_names_in_one_line_before_starting(net_artifacts, capsys):
+    import socket
+
+    artifact = str(net_artifacts[".pt"])
+    http, grpc, metrics = free_ports(3)
+    ports = ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+
+    def refused(*arguments: str) -> str:
+        started = time.monotonic()
+        try:
+            code = main(["serve", artifact, *arguments])
+        except SystemExit as exit:  # argparse's refusals
+            code = exit.code
+        assert code == 2
+        assert time.monotonic() - started < 10  # before Triton starts
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        return err
+
+    assert "at most 65535" in refused("--http-port", "70000")
+    assert "--http-port" in refused("--http-port", "0")
+    err = refused(
+        "--http-port", str(http), "--grpc-port", str(http), "--metrics-port", str(metrics)
+    )
+    assert f"--http-port and --grpc-port are both {http}" in err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", grpc))
+        taken.listen()
+        err = refused(*ports)
+    assert f"--grpc-port {grpc}: the port is in use on 127.0.0.1" in err
+    assert "--name 'bad name/x'" in refused(*ports, "--name", "bad name/x")
+    assert "is in use" not in refused(*ports, "--name", "a/b")
