@@ -88,7 +88,9 @@ def _request(client, x: np.ndarray, dtype: str = "FP32"):
     return client.infer("net", [tensor])
 
 
-def test_serve_answers_concurrent_requests_refuses_bad_ones_and_stops_cleanly(served_net, tmp_path):
+def test_serve_answers_concurrent_requests_refuses_bad_ones_and_stops_cleanly(
+    served_net, tmp_path, capsys
+):
     process, http, grpc, metrics = served_net
     url = f"127.0.0.1:{http}"
     generator = np.random.default_rng(0)
@@ -156,6 +158,11 @@ def test_serve_answers_concurrent_requests_refuses_bad_ones_and_stops_cleanly(se
             totals = over_http.statistics()
             assert over_grpc.statistics() == totals
     assert totals.requests >= len(requests) + 2 * 40 and totals.executions <= totals.requests
+    # Over gRPC, the model found on the server as over HTTP (it once needed --model).
+    assert (
+        main(["loadtest", f"grpc://127.0.0.1:{grpc}", "--concurrency", "2", "--requests", "8"]) == 0
+    )
+    assert "net" in capsys.readouterr().out
     # The same through shared memory: answered alike, and every region freed after.
     assert main([*arguments[:-2], "--shared-memory"]) == 0
     client = triton.InferenceServerClient(url)
@@ -459,3 +466,21 @@ def test_serve_refuses_bad_ports_and_names_in_one_line_before_starting(net_artif
     assert f"--grpc-port {grpc}: the port is in use on 127.0.0.1" in err
     assert "--name 'bad name/x'" in refused(*ports, "--name", "bad name/x")
     assert "is in use" not in refused(*ports, "--name", "a/b")
+
+
+def test_bad_urls_and_output_paths_are_one_line_before_any_request(tmp_path, capsys):
+    from bladesmith.errors import BladesmithError
+
+    for url in ("localhost:abc", "nonsense:::", "localhost", "localhost:70000", "https://h:1"):
+        assert main(["loadtest", url]) == 2
+        err = capsys.readouterr().err
+        assert f"URL {url!r}: expected host:port" in err and len(err.splitlines()) == 1, err
+        with pytest.raises(BladesmithError, match="expected host:port"):
+            bladesmith.client(url, "x")
+    assert "Exception ignored" not in capsys.readouterr().err  # no half-made tritonclient
+    [port] = free_ports(1)
+    with pytest.raises(SystemExit) as refused:  # checked before the test runs, not after
+        main(["loadtest", f"localhost:{port}", "--json", str(tmp_path)])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and "is a folder" in err and len(err.splitlines()) == 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from bladesmith.cli.args import at_least, port
+from bladesmith.cli.args import at_least, output_file, port
 
 
 def add_parser(subparsers) -> None:
@@ -73,7 +73,9 @@ def add_parser(subparsers) -> None:
         help="client processes sharing the concurrency (default 1): more where one "
         "Python process cannot send as fast as the server answers",
     )
-    loadtest.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    loadtest.add_argument(
+        "--json", type=output_file(), metavar="PATH", help="also write the table as JSON"
+    )
     loadtest.set_defaults(func=run_loadtest)
 
 

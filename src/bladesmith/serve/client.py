@@ -25,8 +25,7 @@ from bladesmith.serve.signature import INPUT_DTYPE
 class Client:
     def __init__(self, url: str, model: str, *, timeout: float = 120.0):
         self.url, self.model = url, model
-        self.grpc = url.startswith("grpc://")
-        address = url.removeprefix("grpc://").removeprefix("http://")
+        self.grpc, address = parse_url(url)
         try:
             if self.grpc:
                 import tritonclient.grpc as triton
@@ -206,6 +205,30 @@ class ServerStatistics:
             self.queue_ns - earlier.queue_ns,
             self.compute_ns - earlier.compute_ns,
         )
+
+
+def parse_url(url: str) -> tuple[bool, str]:
+    """``host:port`` (or ``http://host:port``) -> (False, "host:port"); ``grpc://host:port``
+    -> (True, "host:port"); anything else: one line naming the URL."""
+    text = str(url)
+    grpc = text.startswith("grpc://")
+    address = text.removeprefix("grpc://").removeprefix("http://")
+    host, _, port = address.rpartition(":")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    valid = (
+        "://" not in address
+        and "/" not in address
+        and bool(bare)
+        and (":" not in bare or host.startswith("["))  # IPv6 in brackets
+        and port.isdigit()
+        and 1 <= int(port) <= 65535
+    )
+    if not valid:
+        raise BladesmithError(
+            f"URL {text!r}: expected host:port for HTTP or grpc://host:port for gRPC, "
+            "e.g. localhost:8000 or grpc://localhost:8001"
+        )
+    return grpc, address
 
 
 def client(url: str, model: str, *, timeout: float = 120.0) -> Client:
