@@ -271,6 +271,24 @@ def test_serve_says_in_one_line_what_is_wrong(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "missing.pt2")]) == 2
     err = capsys.readouterr().err
     assert ": error: " in err and "missing.pt2" in err and len(err.splitlines()) == 1
+    # A plain ONNX file (`bladesmith export onnx` writes them): what to do instead.
+    import onnx
+    from onnx import TensorProto, helper
+
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "plain",
+        [value("x", TensorProto.FLOAT, [1, 4])],
+        [value("y", TensorProto.FLOAT, [1, 4])],
+    )
+    onnx.save(helper.make_model(graph), str(tmp_path / "plain.onnx"))
+    http, grpc, metrics = free_ports(3)
+    ports = ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    assert main(["serve", str(tmp_path / "plain.onnx"), *ports]) == 2
+    err = capsys.readouterr().err
+    assert "plain.onnx was not written by bladesmith.save" in err and len(err.splitlines()) == 1
+    assert "optimize MODEL --out plain.onnx" in err and "export triton plain.onnx" in err
 
 
 def test_loadtest_of_a_server_that_is_not_there_says_so_in_one_line(capsys):

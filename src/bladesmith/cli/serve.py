@@ -18,7 +18,8 @@ def add_parser(subparsers) -> None:
         "serve",
         help="serve a saved artifact on Triton Inference Server",
         description=(
-            "Serve ARTIFACT (.pt2, .pt or .onnx written by bladesmith) on Triton Inference "
+            "Serve ARTIFACT (.pt2, .pt or .onnx written by bladesmith.save or optimize "
+            "--out; not a plain `export onnx` file) on Triton Inference "
             "Server (bundled with nvidia-pytriton): HTTP, gRPC and Prometheus metrics, dynamic "
             "batching into the artifact's batch size (partial batches padded), one process "
             "per model instance. Listens on 127.0.0.1 unless --host says otherwise. Stops "

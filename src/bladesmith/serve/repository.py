@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from bladesmith._files import write_atomically
-from bladesmith.errors import BladesmithError
+from bladesmith.errors import BladesmithError, NotAnArtifactError
 from bladesmith.serve.signature import TRITON_DTYPES, Signature, TensorSpec
 from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 
@@ -157,7 +157,10 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
     libraries = [_library(library) for library in libraries]
     for library in libraries:
         torch.ops.load_library(str(library))
-    loaded = bladesmith.load(artifact)
+    try:
+        loaded = bladesmith.load(artifact)
+    except NotAnArtifactError:
+        raise NotAnArtifactError(_NOT_AN_ARTIFACT.format(name=artifact.name)) from None
     gpus = _gpus(artifact, loaded.device, deployment.device)
     signature = signature_of(loaded, deployment.image_dtype)
     compute_dtype = loaded.spec.dtype
@@ -394,6 +397,13 @@ def signature_from_config(config_text: str) -> Signature:
     )
 
 
+_NOT_AN_ARTIFACT = (
+    "{name} was not written by bladesmith.save (`bladesmith export onnx` and "
+    "torch.jit.save write plain files, without the batch, device and outputs bladesmith "
+    "serves by): save one with `bladesmith optimize MODEL --out {name}`, or serve a plain "
+    "file on a Triton of your own: `bladesmith export triton {name} REPO_DIR` (backend "
+    "onnxruntime for .onnx, pytorch_libtorch for .pt)"
+)
 _SECTION = re.compile(r"^<!-- bladesmith model (\{.*\}) -->\n", re.MULTILINE)
 
 
