@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from bladesmith._files import contents, first_line, unreadable, write_atomically
 from bladesmith.bench import iter_tensors
 from bladesmith.devices import with_index
-from bladesmith.errors import BladesmithError, MissingFileError
+from bladesmith.errors import BladesmithError, MissingFileError, NotAnArtifactError
 from bladesmith.families import Family, family_named
 from bladesmith.ops import libraries
 from bladesmith.runtimes.onnxruntime import cpu_runner, export_onnx
@@ -323,7 +323,7 @@ def load(path: str | os.PathLike) -> OptimizedModule:
             "bladesmith.load reads what bladesmith.save wrote"
         ) from error
     if metadata is None:
-        raise BladesmithError(
+        raise NotAnArtifactError(
             f"load: {str(path)!r} has no bladesmith metadata: it was not written by "
             "bladesmith.save (load it with torch.jit.load, aoti_load_package or "
             "bladesmith.onnx.session)"

@@ -11,6 +11,10 @@ class DeviceUnavailableError(BladesmithError, RuntimeError):
     """The device asked for does not exist here; the message names what is missing."""
 
 
+class NotAnArtifactError(BladesmithError):
+    """A model file that bladesmith.save did not write (no bladesmith metadata)."""
+
+
 class MissingFileError(BladesmithError, FileNotFoundError):
     """A file bladesmith was asked to read does not exist."""
 

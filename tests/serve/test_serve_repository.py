@@ -43,10 +43,11 @@ def test_torchscript_repository_declares_the_models_real_tensors(net_artifacts, 
         (f"OUTPUT__{i}", np.dtype(str(o.dtype).removeprefix("torch.")), tuple(o.shape))
         for i, o in enumerate(outputs)
     ]
-    library = model_dir / "1" / ops.library_path().rsplit("/", 1)[-1]
-    assert library.is_file()
+    # The tiny net calls none of bladesmith's operators: no library, nothing to preload.
+    assert not (model_dir / "1" / ops.library_path().rsplit("/", 1)[-1]).exists()
     readme = (tmp_path / "repo" / "README.md").read_text()
-    assert f"LD_PRELOAD={tmp_path / 'repo'}/net/1/{library.name} tritonserver" in readme
+    assert "LD_PRELOAD" not in readme and "calls no custom operator" in readme
+    assert "bladesmith's custom operators" not in readme
     assert 'platform: "pytorch_libtorch"' in (model_dir / "config.pbtxt").read_text()
 
 
@@ -154,3 +155,110 @@ def test_a_bladesmith_artifact_loads_in_the_repository_as_written(net_artifacts,
     )
     assert done.stdout.strip() == "(4, 5)"
     assert bladesmith.load(copied).spec.input_shapes == ((NET_BATCH, 3, 8, 8),)
+
+
+def test_a_backend_that_cannot_run_the_file_is_refused_in_one_line(net_artifacts, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    aoti = tmp_path / "net.pt2"
+    aoti.write_bytes(b"not opened: refused by its kind")
+    for artifact, backend in [
+        (net_artifacts[".onnx"], "pytorch_libtorch"),  # once: ONNX bytes copied as model.pt
+        (aoti, "pytorch_libtorch"),  # once: the AOTInductor package copied as model.pt
+        (aoti, "onnxruntime"),
+        (net_artifacts[".pt"], "onnxruntime"),  # once: a DecodeError "please report it"
+    ]:
+        code = main(["export", "triton", str(artifact), str(repo), "--backend", backend])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert f"--backend {backend} cannot serve {artifact.name}" in err
+        assert "pytorch_libtorch takes a TorchScript .pt, onnxruntime a .onnx" in err
+        assert len(err.strip().splitlines()) == 1 and "report" not in err
+        assert not repo.exists() or not any(repo.iterdir())
+
+
+def test_model_names_triton_cannot_serve_are_refused_before_any_work(
+    net_artifacts, tmp_path, capsys
+):
+    repo = tmp_path / "repo"
+    for name in ("a/b", "bad name/x", "../up", ".hidden", ""):
+        code = main(["export", "triton", str(net_artifacts[".pt"]), str(repo), "--name", name])
+        err = capsys.readouterr().err
+        assert code == 2 and f"--name {name!r}" in err and "letters, digits" in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert not repo.exists()
+    spaced = tmp_path / "my net.pt"
+    spaced.write_bytes(net_artifacts[".pt"].read_bytes())
+    assert main(["export", "triton", str(spaced), str(repo)]) == 2
+    assert "'my net' (the file's stem)" in capsys.readouterr().err
+    assert main(["export", "triton", str(spaced), str(repo), "--name", "my-net.v2"]) == 0
+
+
+def test_a_repository_path_that_is_a_file_is_refused_in_one_line(net_artifacts, capsys):
+    artifact = str(net_artifacts[".pt"])
+    assert main(["export", "triton", artifact, artifact]) == 2
+    err = capsys.readouterr().err
+    assert "is a file, not a folder" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_repository_readme_keeps_every_models_section(net_artifacts, tmp_path, monkeypatch):
+    import shutil
+
+    repo = tmp_path / "repo"
+    monkeypatch.chdir(tmp_path)  # exported from elsewhere than the repository's parent
+    for artifact, name, backend in [
+        (net_artifacts[".pt"], "ts", "pytorch_libtorch"),
+        (net_artifacts[".onnx"], "ox", "onnxruntime"),
+        (net_artifacts[".pt"], "py", "python"),
+    ]:
+        args = ["export", "triton", str(artifact), "repo", "--name", name, "--backend", backend]
+        assert main(args) == 0
+    readme = (repo / "README.md").read_text()
+    for header in ("## ts (pytorch_libtorch backend)", "## ox (onnxruntime backend)",
+                   "## py (python backend)"):  # fmt: skip
+        assert readme.count(header) == 1, readme
+    assert f"REPO={repo.resolve()}\n" in readme  # absolute: right wherever it is read from
+    assert 'tritonserver --model-repository "$REPO"' in readme
+    # Exported again under a known name: its section replaced, not repeated.
+    shutil.rmtree(repo / "ox")
+    assert main(["export", "triton", str(net_artifacts[".onnx"]), "repo", "--name", "ox"]) == 0
+    again = (repo / "README.md").read_text()
+    assert again.count("## ox (onnxruntime backend)") == 1 and "## ts (" in again
+    # A model whose folder was removed loses its section.
+    shutil.rmtree(repo / "ts")
+    assert main(["export", "triton", str(net_artifacts[".pt"]), "repo", "--name", "ts2"]) == 0
+    assert "## ts (" not in (repo / "README.md").read_text()
+
+
+def test_the_launch_line_preloads_each_libtorch_models_libraries_by_absolute_path(tmp_path):
+    from bladesmith.serve.repository import _update_readme
+
+    repo = tmp_path / "repo"
+    for name in ("det", "plain"):
+        (repo / name / "1").mkdir(parents=True)
+    _update_readme(repo, "det", {"backend": "pytorch_libtorch", "torch_version": "2.6.0",
+                                 "bladesmith_ops": True,
+                                 "preload": ["det/1/libbladesmith_ops.so"]})  # fmt: skip
+    _update_readme(repo, "plain", {"backend": "pytorch_libtorch", "torch_version": "2.6.0",
+                                   "bladesmith_ops": False, "preload": []})  # fmt: skip
+    readme = (repo / "README.md").read_text()
+    assert f"REPO={repo.resolve()}\n" in readme
+    assert "LD_PRELOAD=$REPO/det/1/libbladesmith_ops.so \\\n" in readme
+    det, plain = readme.split("## det (")[1].split("## plain (")
+    assert "calls bladesmith's custom operators" in det
+    assert "calls no custom operator" in plain and "bladesmith's" not in plain
+
+
+def test_bladesmith_operator_calls_are_found_in_torchscript(net_artifacts, tmp_path):
+    from bladesmith import ops
+    from bladesmith.serve.repository import calls_bladesmith_ops
+
+    ops.load_library()
+
+    class Winograd(torch.nn.Module):
+        def forward(self, x, w, b):
+            return torch.ops.bladesmith.winograd_conv3x3(x, w, b, True)
+
+    path = tmp_path / "winograd.pt"
+    torch.jit.script(Winograd()).save(str(path))
+    assert calls_bladesmith_ops(path)
+    assert not calls_bladesmith_ops(net_artifacts[".pt"])

@@ -442,7 +442,7 @@ def test_only_a_detectors_images_can_be_served_as_uint8(net_artifacts):
 def test_the_client_sends_images_as_the_server_takes_them():
     from bladesmith.serve.client import _as_served
 
-    floats = np.array([[0.0, 0.5, 1.0, 1.2, -0.1]], np.float32)
+    floats = np.array([[0.0, 0.5, 1.0, 1.0 + 1e-7, -1e-7]], np.float32)
     as_uint8 = _as_served(floats, "UINT8")
     assert as_uint8.dtype == np.uint8 and as_uint8.tolist() == [[0, 128, 255, 255, 0]]
     assert _as_served(as_uint8, "UINT8") is as_uint8
@@ -450,6 +450,45 @@ def test_the_client_sends_images_as_the_server_takes_them():
     assert back.dtype == np.float32
     np.testing.assert_array_equal(back, np.float32([[0, 128, 255, 255, 0]]) / np.float32(255))
     assert _as_served(floats.astype(np.float64), "FP32").dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    "value, reason", [(np.nan, "non-finite"), (np.inf, "non-finite"), (1.2, r"\[0, 1\]"),
+                      (255.0, r"\[0, 1\]"), (-0.1, r"\[0, 1\]")],
+)  # fmt: skip
+def test_float_images_a_uint8_server_cannot_take_as_they_are_are_refused(value, reason, recwarn):
+    from bladesmith.serve.client import _as_served
+
+    floats = np.array([[0.0, 0.5, value]], np.float32)
+    with pytest.raises(BladesmithError, match=reason):
+        _as_served(floats, "UINT8")
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def _client(shape, max_batch=8):
+    from bladesmith.serve.client import Client
+
+    client = Client.__new__(Client)  # what the server's metadata says, without a server
+    client.model, client.inputs, client.max_batch = "m", [("images", "FP32", shape)], max_batch
+    return client
+
+
+def test_the_client_takes_a_list_a_batch_or_one_image_and_says_what_else_is_wrong():
+    client = _client([-1, 3, 4, 5])
+    image = np.zeros((3, 4, 5), np.float32)
+    assert client._rows([image, image]).shape == (2, 3, 4, 5)
+    assert client._rows(np.stack([image] * 3)).shape == (3, 3, 4, 5)
+    assert client._rows(image).shape == (1, 3, 4, 5)  # one image alone
+    assert client._rows(torch.zeros(3, 4, 5)).shape == (1, 3, 4, 5)
+    with pytest.raises(BladesmithError, match="no images given"):
+        client._rows([])
+    with pytest.raises(
+        BladesmithError, match=r"takes images of shape \[3, 4, 5\].*given \[3, 4, 6\]"
+    ):
+        client._rows([np.zeros((3, 4, 6), np.float32)])
+    with pytest.raises(BladesmithError, match="differ in shape"):
+        client._rows([image, np.zeros((3, 4, 6), np.float32)])
+    assert _client([-1, 3, -1, -1])._rows([np.zeros((3, 7, 9))]).shape == (1, 3, 7, 9)
 
 
 def test_a_detectors_test_rows_are_photographs_whose_answers_tell_rows_apart(detector_artifact):

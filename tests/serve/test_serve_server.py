@@ -129,8 +129,9 @@ def test_serve_answers_concurrent_requests_refuses_bad_ones_and_stops_cleanly(se
     ]
     for x, reason in bad:
         dtype = "FP64" if x.dtype == np.float64 else "FP32"
-        with pytest.raises(InferenceServerException, match=reason):
+        with pytest.raises(InferenceServerException, match=reason) as refused:
             _request(client, x, dtype)
+        assert refused.value.status() == "400", (reason, refused.value.status())  # the client's
         assert client.is_server_ready() and client.is_model_ready("net")
     empty = urllib.request.Request(f"http://{url}/v2/models/net/infer", data=b"", method="POST")
     with pytest.raises(urllib.error.HTTPError) as refused:
@@ -156,6 +157,10 @@ def test_serve_answers_concurrent_requests_refuses_bad_ones_and_stops_cleanly(se
             totals = over_http.statistics()
             assert over_grpc.statistics() == totals
     assert totals.requests >= len(requests) + 2 * 40 and totals.executions <= totals.requests
+    # Over gRPC, the model found on the server as over HTTP (it once needed --model).
+    assert (
+        main(["loadtest", f"grpc://127.0.0.1:{grpc}", "--concurrency", "2", "--requests", "8"]) == 0
+    )
     # The same through shared memory: answered alike, and every region freed after.
     assert main([*arguments[:-2], "--shared-memory"]) == 0
     client = triton.InferenceServerClient(url)
@@ -266,6 +271,24 @@ def test_serve_says_in_one_line_what_is_wrong(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "missing.pt2")]) == 2
     err = capsys.readouterr().err
     assert ": error: " in err and "missing.pt2" in err and len(err.splitlines()) == 1
+    # A plain ONNX file (`bladesmith export onnx` writes them): what to do instead.
+    import onnx
+    from onnx import TensorProto, helper
+
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "plain",
+        [value("x", TensorProto.FLOAT, [1, 4])],
+        [value("y", TensorProto.FLOAT, [1, 4])],
+    )
+    onnx.save(helper.make_model(graph), str(tmp_path / "plain.onnx"))
+    http, grpc, metrics = free_ports(3)
+    ports = ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    assert main(["serve", str(tmp_path / "plain.onnx"), *ports]) == 2
+    err = capsys.readouterr().err
+    assert "plain.onnx was not written by bladesmith.save" in err and len(err.splitlines()) == 1
+    assert "optimize MODEL --out plain.onnx" in err and "export triton plain.onnx" in err
 
 
 def test_loadtest_of_a_server_that_is_not_there_says_so_in_one_line(capsys):
@@ -274,3 +297,206 @@ def test_loadtest_of_a_server_that_is_not_there_says_so_in_one_line(capsys):
         assert main(["loadtest", f"localhost:{port}", *named]) == 2
         err = capsys.readouterr().err
         assert "cannot reach" in err and f"localhost:{port}" in err and len(err.splitlines()) == 1
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _group(pgid: int) -> list[int]:
+    from bladesmith.serve.server import _group_members
+
+    return _group_members(pgid)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_nothing(
+    net_artifacts, tmp_path, signum
+):
+    from http.client import HTTPConnection
+
+    http, grpc, metrics = free_ports(3)
+    log = tmp_path / "serve.log"
+    command = [
+        sys.executable, "-m", "bladesmith", "serve", str(net_artifacts[".pt"]),
+        "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+        "--instances", "2",
+    ]  # fmt: skip
+    with open(log, "wb") as output:
+        process = subprocess.Popen(
+            command, stdout=output, stderr=subprocess.STDOUT, env=_environment()
+        )
+    stop_sending = threading.Event()
+    outcomes: list[str] = []
+    reference = tiny_net()
+
+    def send(seed: int) -> None:  # one client per thread; bounded by time and count
+        generator = np.random.default_rng(seed)
+        client = triton.InferenceServerClient(f"127.0.0.1:{http}", network_timeout=60)
+        try:
+            for _ in range(5000):
+                if stop_sending.is_set():
+                    return
+                x = generator.standard_normal((1, 3, 8, 8), dtype=np.float32)
+                try:
+                    scores = _request(client, x).as_numpy("output_0")
+                except InferenceServerException as error:  # refused: the model is unloaded
+                    assert "unknown model" in error.message(), error.message()
+                    outcomes.append("refused")
+                    continue
+                except Exception as error:  # noqa: BLE001 - closed or refused connections
+                    assert isinstance(error, OSError) or "closed" in str(error), repr(error)
+                    outcomes.append("closed")
+                    return
+                with torch.no_grad():
+                    expected = reference(torch.from_numpy(x))[0].numpy()
+                np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=1e-5)
+                outcomes.append("answered")
+        finally:
+            client.close()
+
+    idle = None
+    try:
+        _wait_ready(http, process, log)
+        tritonserver = _children(process.pid)
+        assert len(tritonserver) == 1
+        stubs = _group(tritonserver[0])
+        assert len(stubs) >= 3, stubs  # tritonserver and its two instances' stubs
+        # An idle keep-alive connection, which once held the exit up for 30 s.
+        idle = http_client = HTTPConnection("127.0.0.1", http, timeout=60)
+        http_client.request("GET", "/v2/health/ready")
+        assert http_client.getresponse().read() == b""
+        with ThreadPoolExecutor(8) as pool:
+            senders = [pool.submit(send, seed) for seed in range(8)]
+            time.sleep(3)
+            answered_before = outcomes.count("answered")
+            assert answered_before > 0
+            signalled = time.monotonic()
+            process.send_signal(signum)
+            code = process.wait(60)
+            took = time.monotonic() - signalled
+            stop_sending.set()
+            for sender in senders:
+                sender.result(timeout=120)  # raises what a sender found wrong
+    finally:
+        stop_sending.set()
+        if idle is not None:
+            idle.close()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert took < 30, took
+    assert "Signal (11)" not in text and "Exit timeout expired" not in text
+    # It listened where it said: loopback only (the default --host).
+    assert f"serving net: http 127.0.0.1:{http}, grpc grpc://127.0.0.1:{grpc}" in text
+    assert f"Started HTTPService at 127.0.0.1:{http}" in text
+    assert f"Started GRPCInferenceService at 127.0.0.1:{grpc}" in text
+    assert "refused" in outcomes or "closed" in outcomes
+    assert not _group(tritonserver[0]), "a tritonserver or stub process survived"
+    assert all(_port_free(port) for port in (http, grpc, metrics))
+    leaked = [name for name in os.listdir("/dev/shm") if f"_{process.pid}_" in name]
+    assert not leaked
+
+
+def test_a_tritonserver_that_dies_leaves_no_stub_or_shared_memory_and_says_so(net_artifacts):
+    from bladesmith.serve.server import _group_members
+
+    http, grpc, metrics = free_ports(3)
+    server = bladesmith.serve(
+        net_artifacts[".pt"],
+        http_port=http,
+        grpc_port=grpc,
+        metrics_port=metrics,
+        instances=2,
+        block=False,
+    )
+    try:
+        pid = server._process.pid
+        regions = [name for name in os.listdir("/dev/shm") if name.startswith(server._shm_prefix)]
+        assert regions and len(_group_members(pid)) >= 3
+        os.kill(pid, signal.SIGKILL)  # as a crash: its stubs are left running
+        deadline = time.monotonic() + 30
+        while server.running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _group_members(pid), "the stubs did not outlive their server"
+    finally:
+        code = server.stop()
+    assert code == -signal.SIGKILL and "killed" in server.stop_problem
+    assert not _group_members(pid)
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(server._shm_prefix)]
+    assert all(_port_free(port) for port in (http, grpc, metrics))
+
+
+def test_serve_that_did_not_stop_cleanly_says_so_in_one_line_and_exits_1(monkeypatch, capsys):
+    import bladesmith.serve as serving
+    from bladesmith.serve import ServerStopError
+
+    def stopped_badly(*args, **kwargs):
+        raise ServerStopError("serve: tritonserver did not stop cleanly: it crashed")
+
+    monkeypatch.setattr(serving, "serve", stopped_badly)
+    assert main(["serve", "net.pt"]) == 1
+    err = capsys.readouterr().err
+    assert err == "bladesmith serve: error: serve: tritonserver did not stop cleanly: it crashed\n"
+
+
+def test_serve_refuses_bad_ports_and_names_in_one_line_before_starting(net_artifacts, capsys):
+    import socket
+
+    artifact = str(net_artifacts[".pt"])
+    http, grpc, metrics = free_ports(3)
+    ports = ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+
+    def refused(*arguments: str) -> str:
+        started = time.monotonic()
+        try:
+            code = main(["serve", artifact, *arguments])
+        except SystemExit as exit:  # argparse's refusals
+            code = exit.code
+        assert code == 2
+        assert time.monotonic() - started < 10  # before Triton starts
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        return err
+
+    assert "at most 65535" in refused("--http-port", "70000")
+    assert "--http-port" in refused("--http-port", "0")
+    err = refused(
+        "--http-port", str(http), "--grpc-port", str(http), "--metrics-port", str(metrics)
+    )
+    assert f"--http-port and --grpc-port are both {http}" in err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", grpc))
+        taken.listen()
+        err = refused(*ports)
+    assert f"--grpc-port {grpc}: the port is in use on 127.0.0.1" in err
+    assert "--name 'bad name/x'" in refused(*ports, "--name", "bad name/x")
+    assert "is in use" not in refused(*ports, "--name", "a/b")
+
+
+def test_bad_urls_and_output_paths_are_one_line_before_any_request(tmp_path, capsys):
+    from bladesmith.errors import BladesmithError
+
+    for url in ("localhost:abc", "nonsense:::", "localhost", "localhost:70000", "https://h:1"):
+        assert main(["loadtest", url]) == 2
+        err = capsys.readouterr().err
+        assert f"URL {url!r}: expected host:port" in err and len(err.splitlines()) == 1, err
+        with pytest.raises(BladesmithError, match="expected host:port"):
+            bladesmith.client(url, "x")
+    assert "Exception ignored" not in capsys.readouterr().err  # no half-made tritonclient
+    [port] = free_ports(1)
+    with pytest.raises(SystemExit) as refused:  # checked before the test runs, not after
+        main(["loadtest", f"localhost:{port}", "--json", str(tmp_path)])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and "is a folder" in err and len(err.splitlines()) == 1

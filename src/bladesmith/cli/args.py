@@ -32,6 +32,14 @@ def at_least(minimum: int):
     return parse
 
 
+def port(text: str) -> int:
+    """argparse type for a TCP port: 1 to 65535."""
+    value = at_least(1)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535; got {text!r}")
+    return value
+
+
 def add_library_options(parser: argparse.ArgumentParser) -> None:
     """``--load-library PATH`` (repeatable): the user's operator libraries, loaded
     (``torch.ops.load_library``) before the command reads a model; ``--onnx-op NAME``

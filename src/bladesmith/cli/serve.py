@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from bladesmith.cli.args import at_least
+from bladesmith.cli.args import at_least, output_file, port
 
 
 def add_parser(subparsers) -> None:
@@ -18,19 +18,27 @@ def add_parser(subparsers) -> None:
         "serve",
         help="serve a saved artifact on Triton Inference Server",
         description=(
-            "Serve ARTIFACT (.pt2, .pt or .onnx written by bladesmith) on Triton Inference "
+            "Serve ARTIFACT (.pt2, .pt or .onnx written by bladesmith.save or optimize "
+            "--out; not a plain `export onnx` file) on Triton Inference "
             "Server (bundled with nvidia-pytriton): HTTP, gRPC and Prometheus metrics, dynamic "
             "batching into the artifact's batch size (partial batches padded), one process "
-            "per model instance. Stops cleanly on Ctrl-C or SIGTERM, answering requests in "
-            "flight."
+            "per model instance. Listens on 127.0.0.1 unless --host says otherwise. Stops "
+            "on Ctrl-C or SIGTERM: refuses new requests, answers those in flight, stops "
+            "Triton and every process it started (exit 1 when Triton did not stop cleanly)."
         ),
     )
     serve.add_argument("artifact", metavar="ARTIFACT", help=".pt2, .pt or .onnx artifact")
     serve.add_argument("--name", help="model name (default: the file's stem)")
     add_deployment_options(serve)
-    serve.add_argument("--http-port", type=at_least(1), default=8000, help="(default 8000)")
-    serve.add_argument("--grpc-port", type=at_least(1), default=8001, help="(default 8001)")
-    serve.add_argument("--metrics-port", type=at_least(1), default=8002, help="(default 8002)")
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on: 127.0.0.1 (default) is this machine only; 0.0.0.0 is "
+        "every interface (reachable from other machines)",
+    )
+    serve.add_argument("--http-port", type=port, default=8000, help="(default 8000)")
+    serve.add_argument("--grpc-port", type=port, default=8001, help="(default 8001)")
+    serve.add_argument("--metrics-port", type=port, default=8002, help="(default 8002)")
     serve.set_defaults(func=run_serve)
 
     loadtest = subparsers.add_parser(
@@ -66,7 +74,9 @@ def add_parser(subparsers) -> None:
         help="client processes sharing the concurrency (default 1): more where one "
         "Python process cannot send as fast as the server answers",
     )
-    loadtest.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    loadtest.add_argument(
+        "--json", type=output_file(), metavar="PATH", help="also write the table as JSON"
+    )
     loadtest.set_defaults(func=run_loadtest)
 
 
@@ -113,21 +123,32 @@ def _counts(text: str) -> tuple[int, ...]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from bladesmith.serve import serve
+    import sys
 
-    serve(
-        args.artifact,
-        name=args.name,
-        libraries=tuple(args.load_library),
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port,
-        max_batch=args.max_batch,
-        max_queue_delay_us=args.max_queue_delay_us,
-        instances=args.instances,
-        device=args.device,
-        image_dtype=args.image_dtype,
-    )
+    from bladesmith.serve import ServerStopError, serve
+
+    try:
+        serve(
+            args.artifact,
+            name=args.name,
+            libraries=tuple(args.load_library),
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
+            host=args.host,
+            max_batch=args.max_batch,
+            max_queue_delay_us=args.max_queue_delay_us,
+            instances=args.instances,
+            device=args.device,
+            image_dtype=args.image_dtype,
+        )
+    except ServerStopError as error:  # served, then stopped badly: 1, not a usage error (2)
+        if args.debug:
+            import traceback
+
+            traceback.print_exc()
+        print(f"bladesmith serve: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -18,12 +18,25 @@ import threading
 import types
 from pathlib import Path
 
-from bladesmith.errors import BladesmithError
 from bladesmith.serve.client import Client, client
 from bladesmith.serve.repository import Deployment, write_repository
-from bladesmith.serve.server import Server
+from bladesmith.serve.server import (
+    DEFAULT_HOST,
+    Server,
+    ServerStopError,
+    check_port,
+    check_ports_free,
+)
 
-__all__ = ["Client", "Deployment", "Server", "client", "serve", "write_repository"]
+__all__ = [
+    "Client",
+    "Deployment",
+    "Server",
+    "ServerStopError",
+    "client",
+    "serve",
+    "write_repository",
+]
 
 
 def serve(
@@ -34,6 +47,7 @@ def serve(
     http_port: int = 8000,
     grpc_port: int = 8001,
     metrics_port: int = 8002,
+    host: str = DEFAULT_HOST,
     max_batch: int | None = None,
     max_queue_delay_us: int = 500,
     instances: int = 1,
@@ -43,7 +57,8 @@ def serve(
     log: str | os.PathLike | None = None,
 ) -> Server | None:
     """Serve ``artifact`` (``.pt2``, ``.pt`` or ``.onnx`` from ``bladesmith.save``) as
-    model ``name`` (default: the file's stem) on HTTP, gRPC and Prometheus-metrics ports.
+    model ``name`` (default: the file's stem) on HTTP, gRPC and Prometheus-metrics ports
+    of ``host`` (default 127.0.0.1, this machine only; ``"0.0.0.0"``: every interface).
 
     Requests are batched dynamically up to ``max_batch`` rows (default: the artifact's
     batch), waiting at most ``max_queue_delay_us`` for more, and run in full buckets of
@@ -53,9 +68,15 @@ def serve(
     each in its own process; ``device`` is ``cpu``, ``cuda`` or ``cuda:0,1`` (default: the
     artifact's). ``image_dtype="uint8"`` serves a detector's images as uint8 (a quarter of
     the bytes; made float32 in [0, 1] on the device). ``block``: serve until SIGINT or
-    SIGTERM, then stop (requests in flight are answered); else return the started
-    ``Server`` (a context manager; ``stop()`` it).
+    SIGTERM, then stop (new requests are refused, those in flight answered); raises
+    ``ServerStopError`` if tritonserver did not stop cleanly (what was left of it is
+    killed all the same); else return the started ``Server`` (a context manager;
+    ``stop()`` it).
     """
+    ports = {"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port}
+    for flag, port in ports.items():
+        check_port(port, flag)
+    check_ports_free(host, ports)  # before the work of writing the repository
     # CPU instances split the cores between them (a GPU artifact's threads barely work).
     threads = max(1, (os.cpu_count() or 1) // instances) if instances > 1 else 0
     deployment = Deployment(
@@ -77,6 +98,7 @@ def serve(
         http_port=http_port,
         grpc_port=grpc_port,
         metrics_port=metrics_port,
+        host=host,
         log=log,
         owns=workdir,
     )
@@ -89,9 +111,10 @@ def serve(
     }
     try:
         model = name or Path(artifact).stem
+        where = " (listening on every interface)" if host in ("0.0.0.0", "::") else ""
         print(
             f"serving {model}: http {server.url}, grpc {server.grpc_url}, "
-            f"metrics {server.metrics_url} (Ctrl-C or SIGTERM to stop)",
+            f"metrics {server.metrics_url}{where} (Ctrl-C or SIGTERM to stop)",
             file=sys.stderr,
             flush=True,
         )
@@ -101,7 +124,14 @@ def serve(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if not stop.is_set():
-        raise BladesmithError(f"serve: tritonserver exited on its own (code {code})")
+        raise ServerStopError(
+            f"serve: tritonserver exited on its own (code {code}; its log is above)"
+        )
+    if server.stop_problem:
+        raise ServerStopError(
+            f"serve: tritonserver did not stop cleanly: {server.stop_problem} (what was left "
+            "of it has been killed and its shared memory removed)"
+        )
     return None
 
 

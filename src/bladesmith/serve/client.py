@@ -25,8 +25,7 @@ from bladesmith.serve.signature import INPUT_DTYPE
 class Client:
     def __init__(self, url: str, model: str, *, timeout: float = 120.0):
         self.url, self.model = url, model
-        self.grpc = url.startswith("grpc://")
-        address = url.removeprefix("grpc://").removeprefix("http://")
+        self.grpc, address = parse_url(url)
         try:
             if self.grpc:
                 import tritonclient.grpc as triton
@@ -103,7 +102,7 @@ class Client:
         else the model's outputs by name."""
         import torch
 
-        rows = _as_served(np.stack([_as_numpy(image) for image in images]), self.inputs[0][1])
+        rows = _as_served(self._rows(images), self.inputs[0][1])
         step = self.max_batch or rows.shape[0]
         answers = []
         for start in range(0, rows.shape[0], step):
@@ -115,6 +114,37 @@ class Client:
         if self.detections:
             answers = [cut_padding(answer) for answer in answers]
         return answers
+
+    def _rows(self, images) -> np.ndarray:
+        """Images as one array of rows: a list of images, a batch, or one image alone
+        (an array with the model's per-image rank); one line when they cannot be."""
+        name, _, shape = self.inputs[0]
+        per_row = shape[1:]  # [-1 or the fixed batch, *per image]
+        if hasattr(images, "shape"):  # one array or tensor: a batch, or a single image
+            array = _as_numpy(images)
+            rows = array[None] if array.ndim == len(per_row) else array
+        else:
+            images = list(images)
+            if not images:
+                raise BladesmithError(f"{self.model}: no images given (an empty list)")
+            arrays = [_as_numpy(image) for image in images]
+            shapes = {array.shape for array in arrays}
+            if len(shapes) != 1:
+                raise BladesmithError(
+                    f"{self.model}: the images differ in shape ({sorted(shapes)}); it takes "
+                    f"{_shape(per_row)} each"
+                )
+            rows = np.stack(arrays)
+        if rows.ndim != len(per_row) + 1 or any(
+            want >= 0 and got != want for got, want in zip(rows.shape[1:], per_row)
+        ):
+            raise BladesmithError(
+                f"{self.model}: takes images of shape {_shape(per_row)} (input {name!r}), "
+                f"given {_shape(rows.shape[1:])} per image"
+            )
+        if rows.shape[0] == 0:
+            raise BladesmithError(f"{self.model}: no images given (a batch of 0)")
+        return rows
 
     @contextmanager
     def shared_inputs(self, requests: list[list[np.ndarray]]):
@@ -208,22 +238,66 @@ class ServerStatistics:
         )
 
 
+def parse_url(url: str) -> tuple[bool, str]:
+    """``host:port`` (or ``http://host:port``) -> (False, "host:port"); ``grpc://host:port``
+    -> (True, "host:port"); anything else: one line naming the URL."""
+    text = str(url)
+    grpc = text.startswith("grpc://")
+    address = text.removeprefix("grpc://").removeprefix("http://")
+    host, _, port = address.rpartition(":")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    valid = (
+        "://" not in address
+        and "/" not in address
+        and bool(bare)
+        and (":" not in bare or host.startswith("["))  # IPv6 in brackets
+        and port.isdigit()
+        and 1 <= int(port) <= 65535
+    )
+    if not valid:
+        raise BladesmithError(
+            f"URL {text!r}: expected host:port for HTTP or grpc://host:port for gRPC, "
+            "e.g. localhost:8000 or grpc://localhost:8001"
+        )
+    return grpc, address
+
+
 def client(url: str, model: str, *, timeout: float = 120.0) -> Client:
     """A client for ``model`` served at ``url`` (``host:port`` for HTTP,
     ``grpc://host:port`` for gRPC); call it with images."""
     return Client(url, model, timeout=timeout)
 
 
+def _shape(dims) -> str:
+    return "[" + ", ".join("any" if int(d) < 0 else str(int(d)) for d in dims) + "]"
+
+
 def _as_served(rows: np.ndarray, datatype: str) -> np.ndarray:
     """Images as the server takes them: float32 in [0, 1], or uint8 in [0, 255] (a
-    server started with ``--image-dtype uint8``); either kind is converted."""
+    server started with ``--image-dtype uint8``); either kind is converted. Float images
+    for a uint8 server must be finite and in [0, 1] (the server cannot see what a
+    conversion would hide)."""
     if datatype == "UINT8":
         if rows.dtype == np.uint8:
             return rows
+        with np.errstate(invalid="ignore"):
+            if not np.isfinite(rows).all():
+                raise BladesmithError(
+                    "images have non-finite values (NaN or infinity): refused, not sent"
+                )
+            low, high = float(rows.min()), float(rows.max())
+        if low < -_SLACK or high > 1 + _SLACK:
+            raise BladesmithError(
+                f"float images must be in [0, 1] (the server takes uint8 = round(x * 255)); "
+                f"these span [{low:g}, {high:g}]: scale them, or send uint8 images"
+            )
         return np.clip(np.rint(rows * 255.0), 0, 255).astype(np.uint8)
     if rows.dtype == np.uint8:
         return rows.astype(INPUT_DTYPE) / np.float32(255)
     return rows.astype(INPUT_DTYPE)
+
+
+_SLACK = 1e-6  # rounding past [0, 1] that a float computation may leave
 
 
 def _as_numpy(image) -> np.ndarray:

@@ -295,20 +295,33 @@ def _distinct_rows(client: Client, count: int, seed: int) -> list[list[np.ndarra
 
 
 def _only_model(url: str) -> str:
-    from tritonclient.http import InferenceServerClient
+    """The one model the server has loaded (from its statistics, which list the loaded
+    models over HTTP and gRPC alike)."""
+    from bladesmith.serve.client import parse_url
 
-    if url.startswith("grpc://"):
-        raise BladesmithError("loadtest: name the model (--model) when the URL is gRPC")
-    client = InferenceServerClient(url.removeprefix("http://"))
+    grpc, address = parse_url(url)
+    if grpc:
+        from tritonclient.grpc import InferenceServerClient
+    else:
+        from tritonclient.http import InferenceServerClient
+    client = InferenceServerClient(address)
     try:
-        models = [m["name"] for m in client.get_model_repository_index() if m.get("state")]
+        if grpc:
+            statistics = client.get_inference_statistics(as_json=True)
+        else:
+            statistics = client.get_inference_statistics()
+        models = sorted({m["name"] for m in statistics.get("model_stats", [])})
     except Exception as error:  # noqa: BLE001 - unreachable server: say where
-        raise BladesmithError(f"loadtest: cannot reach {url}: {error}") from None
+        raise BladesmithError(f"loadtest: cannot reach {url}: {_one_line(error)}") from None
     finally:
         client.close()
     if len(models) != 1:
         raise BladesmithError(f"loadtest: {url} serves {models or 'no model'}; choose --model")
     return models[0]
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def render(rows: list[LoadRow]) -> str:

@@ -24,7 +24,9 @@ class TritonPythonModel:
         import torch
 
         import bladesmith
-        from bladesmith.serve.signature import BucketRunner
+        from bladesmith.serve.signature import BadRequest, BucketRunner
+
+        self._bad_request = BadRequest
 
         here = Path(args["model_repository"]) / args["model_version"]
         for library in json.loads(parameters.get("libraries", "[]")):
@@ -51,11 +53,19 @@ class TritonPythonModel:
         responses = []
         for answer in self.runner.answer(arrays):
             if isinstance(answer, str):
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(answer)))
+                responses.append(pb_utils.InferenceResponse(error=self._error(answer)))
             else:
                 tensors = [_tensor(name, value) for name, value in answer.items()]
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses
+
+    def _error(self, answer):
+        """A refused request is the client's error (INVALID_ARG: HTTP 400, gRPC
+        INVALID_ARGUMENT); the model failing is the server's (INTERNAL: 500)."""
+        code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
+        if code is not None and isinstance(answer, self._bad_request):
+            return pb_utils.TritonError(str(answer), code)
+        return pb_utils.TritonError(str(answer))
 
 
 def _tensor(name, array):

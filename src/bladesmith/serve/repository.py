@@ -4,7 +4,8 @@
     REPO/NAME/1/model.py + the artifact          (python: any artifact, batches into buckets)
     REPO/NAME/1/model.pt + libbladesmith_ops.so  (pytorch_libtorch: TorchScript)
     REPO/NAME/1/model.onnx                       (onnxruntime: standard ONNX)
-    REPO/README.md                               (how to start tritonserver on it)
+    REPO/README.md                               (how to start tritonserver on it: one
+                                                  section per model, merged by name)
 
 The Python backend batches requests dynamically and runs them in buckets: the artifact's
 batch, and the powers of two below it where the artifact runs at them (padded). The
@@ -16,20 +17,36 @@ fixed to the batch it was built for, so their configs declare that exact shape
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
 import sys
 import sysconfig
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from bladesmith._files import write_atomically
-from bladesmith.errors import BladesmithError
+from bladesmith.errors import BladesmithError, NotAnArtifactError
 from bladesmith.serve.signature import TRITON_DTYPES, Signature, TensorSpec
-from bladesmith.spec import ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
+from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 
 BACKENDS = ("python", "pytorch_libtorch", "onnxruntime")
+# The files each backend runs: a wrong pair would write a repository Triton cannot load.
+BACKEND_SUFFIXES = {
+    "python": (AOTI_SUFFIX, TORCHSCRIPT_SUFFIX, ONNX_SUFFIX),
+    "pytorch_libtorch": (TORCHSCRIPT_SUFFIX,),
+    "onnxruntime": (ONNX_SUFFIX,),
+}
+_BACKENDS_TAKE = (
+    "pytorch_libtorch takes a TorchScript .pt, onnxruntime a .onnx, python any bladesmith "
+    "artifact (.pt2, .pt or .onnx)"
+)
+# Triton names a model by its folder; letters, digits, '_', '-' and '.' (not first) are
+# safe everywhere (URLs, file systems, metric labels).
+_MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 VERSION = "1"
 _STANDARD_ONNX_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 
@@ -71,14 +88,28 @@ def write_repository(
     backend = backend or default_backend(artifact)
     if backend not in BACKENDS:
         raise BladesmithError(f"export triton: --backend must be one of {', '.join(BACKENDS)}")
-    name = name or artifact.stem
-    model_dir = Path(repository) / name
+    if artifact.suffix not in BACKEND_SUFFIXES[backend]:
+        raise BladesmithError(f"--backend {backend} cannot serve {artifact.name}: {_BACKENDS_TAKE}")
+    name = check_model_name(name, artifact)
+    repository = Path(repository)
+    if repository.exists() and not repository.is_dir():
+        raise BladesmithError(
+            f"REPO_DIR {str(repository)!r} is a file, not a folder: name a folder (it is "
+            "created if missing)"
+        )
+    model_dir = repository / name
     version_dir = model_dir / VERSION
     if model_dir.exists():
         raise BladesmithError(
             f"export triton: {str(model_dir)!r} exists; choose another --name or REPO_DIR"
         )
-    version_dir.mkdir(parents=True)
+    try:
+        version_dir.mkdir(parents=True)
+    except OSError as error:
+        raise BladesmithError(
+            f"REPO_DIR {str(repository)!r}: cannot create {str(version_dir)!r}: "
+            f"{error.strerror or error}"
+        ) from None
     try:
         if backend != "python" and deployment.image_dtype != "float32":
             raise BladesmithError(
@@ -97,8 +128,24 @@ def write_repository(
         shutil.rmtree(model_dir)
         raise
     _write_text(model_dir / "config.pbtxt", f'name: "{name}"\n{config}')
-    _write_text(Path(repository) / "README.md", readme.format(repository=Path(repository)))
+    _update_readme(repository, name, readme)
     return model_dir
+
+
+def check_model_name(name: str | None, artifact: Path) -> str:
+    """``name`` (default: the artifact's stem) if Triton can serve a model by it."""
+    chosen = name if name is not None else artifact.stem
+    if not _MODEL_NAME.fullmatch(chosen):
+        source = (
+            f"--name {chosen!r}"
+            if name is not None
+            else (f"the model name {chosen!r} (the file's stem)")
+        )
+        raise BladesmithError(
+            f"{source}: a model name is letters, digits, '_', '-' and '.' (not first), at "
+            "most 128 characters; choose another --name"
+        )
+    return chosen
 
 
 def _python_model(artifact, version_dir, deployment, libraries, link):
@@ -110,7 +157,10 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
     libraries = [_library(library) for library in libraries]
     for library in libraries:
         torch.ops.load_library(str(library))
-    loaded = bladesmith.load(artifact)
+    try:
+        loaded = bladesmith.load(artifact)
+    except NotAnArtifactError:
+        raise NotAnArtifactError(_NOT_AN_ARTIFACT.format(name=artifact.name)) from None
     gpus = _gpus(artifact, loaded.device, deployment.device)
     signature = signature_of(loaded, deployment.image_dtype)
     compute_dtype = loaded.spec.dtype
@@ -149,11 +199,13 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
             ),
         ]
     )
-    return config + "\n", _PYTHON_README.format(
-        python=sys.executable,
-        libdir=sysconfig.get_config_var("LIBDIR"),
-        bindir=Path(sys.executable).parent,
-    )
+    return config + "\n", {
+        "backend": "python",
+        "python": sys.executable,
+        "libdir": sysconfig.get_config_var("LIBDIR"),
+        "bindir": str(Path(sys.executable).parent),
+        "preload": [],
+    }
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -204,7 +256,9 @@ def _torchscript_model(artifact, version_dir, deployment, libraries):
     for library in libraries:
         torch.ops.load_library(str(library))
     loaded = bladesmith.load(artifact)  # builds and loads bladesmith's operators
-    libraries.insert(0, Path(ops.library_path()))
+    uses_ops = calls_bladesmith_ops(artifact)
+    if uses_ops:
+        libraries.insert(0, Path(ops.library_path()))
     gpus = _gpus(artifact, loaded.device, deployment.device)
     signature = signature_of(loaded)
     shutil.copy2(artifact, version_dir / "model.pt")
@@ -224,13 +278,27 @@ def _torchscript_model(artifact, version_dir, deployment, libraries):
             _instance_group(deployment.instances, gpus),
         ]
     )
-    folder = f"{{repository}}/{version_dir.parent.name}/{VERSION}"
-    preload = ":".join(f"{folder}/{library.name}" for library in libraries)
-    return config + "\n", _TORCHSCRIPT_README.format(
-        torch_version=torch.__version__.split("+")[0],
-        preload=preload,
-        library=", ".join(library.name for library in libraries),
-    )
+    folder = f"{version_dir.parent.name}/{VERSION}"
+    return config + "\n", {
+        "backend": "pytorch_libtorch",
+        "torch_version": torch.__version__.split("+")[0],
+        "bladesmith_ops": uses_ops,
+        "preload": [f"{folder}/{library.name}" for library in libraries],
+    }
+
+
+def calls_bladesmith_ops(artifact: Path) -> bool:
+    """Whether a TorchScript file calls bladesmith's operators (``ops.bladesmith.*`` in
+    its code)."""
+    try:
+        with zipfile.ZipFile(artifact) as archive:
+            return any(
+                b"ops.bladesmith." in archive.read(entry)
+                for entry in archive.namelist()
+                if "/code/" in entry and entry.endswith(".py")
+            )
+    except (OSError, zipfile.BadZipFile):
+        return True  # unknown: keep the library beside it
 
 
 def _onnx_model(artifact, version_dir, deployment):
@@ -258,7 +326,7 @@ def _onnx_model(artifact, version_dir, deployment):
             _instance_group(deployment.instances, parse_gpus(deployment.device or "cpu")),
         ]
     )
-    return config + "\n", _ONNX_README
+    return config + "\n", {"backend": "onnxruntime", "preload": []}
 
 
 def _onnx_tensor(value) -> TensorSpec:
@@ -329,15 +397,99 @@ def signature_from_config(config_text: str) -> Signature:
     )
 
 
-_PYTHON_README = """# Triton model repository (Python backend)
+_NOT_AN_ARTIFACT = (
+    "{name} was not written by bladesmith.save (`bladesmith export onnx` and "
+    "torch.jit.save write plain files, without the batch, device and outputs bladesmith "
+    "serves by): save one with `bladesmith optimize MODEL --out {name}`, or serve a plain "
+    "file on a Triton of your own: `bladesmith export triton {name} REPO_DIR` (backend "
+    "onnxruntime for .onnx, pytorch_libtorch for .pt)"
+)
+_SECTION = re.compile(r"^<!-- bladesmith model (\{.*\}) -->\n", re.MULTILINE)
 
-Any bladesmith artifact, batched dynamically up to the artifact's batch size. The backend
-runs the model with the Python environment whose interpreter is first on PATH, which must
-have bladesmith installed (pip install 'bladesmith[serve]'); this one was written by
-{python}:
 
-    LD_LIBRARY_PATH={libdir}:$LD_LIBRARY_PATH PATH={bindir}:$PATH \\
-    tritonserver --model-repository {{repository}}
+def _update_readme(repository: Path, name: str, info: dict) -> None:
+    """REPO/README.md: how to start Triton on every model of the repository, then one
+    section per model; this model's section replaces any earlier one of the same name,
+    and sections of models no longer in the repository are dropped."""
+    path = repository / "README.md"
+    models: dict[str, dict] = {}
+    if path.is_file():
+        parts = _SECTION.split(path.read_text())
+        for meta in parts[1::2]:
+            try:
+                found = json.loads(meta)
+                models[found["name"]] = found
+            except (ValueError, KeyError, TypeError):
+                continue
+    models[name] = {"name": name, **info}
+    models = {key: value for key, value in models.items() if (repository / key).is_dir()}
+    text = _readme_header(repository, list(models.values())) + "".join(
+        f"<!-- bladesmith model {json.dumps(model, sort_keys=True)} -->\n{_section(model)}"
+        for model in models.values()
+    )
+    _write_text(path, text)
+
+
+def _readme_header(repository: Path, models: list[dict]) -> str:
+    preload = list(dict.fromkeys(f"$REPO/{item}" for m in models for item in m["preload"]))
+    python = next((m for m in models if m["backend"] == "python"), None)
+    environment = []
+    if preload:
+        environment.append(f"LD_PRELOAD={':'.join(preload)}")
+    if python:
+        environment.append(f"LD_LIBRARY_PATH={shlex.quote(python['libdir'])}:$LD_LIBRARY_PATH")
+        environment.append(f"PATH={shlex.quote(python['bindir'])}:$PATH")
+    launch = " \\\n    ".join([*environment, 'tritonserver --model-repository "$REPO"'])
+    listed = ", ".join(f"{m['name']} ({m['backend']})" for m in models)
+    return _README_HEADER.format(
+        models=listed,
+        repository=shlex.quote(str(repository.resolve())),
+        launch=launch,
+    )
+
+
+def _section(model: dict) -> str:
+    name, backend = model["name"], model["backend"]
+    if backend == "python":
+        body = _PYTHON_SECTION.format(**model)
+    elif backend == "pytorch_libtorch":
+        libraries = [item.rsplit("/", 1)[-1] for item in model["preload"]]
+        if model.get("bladesmith_ops"):
+            uses = (
+                "it calls bladesmith's custom operators, compiled into "
+                f"{', '.join(libraries)} beside it (with any --load-library), which the "
+                "launch line above preloads (LD_PRELOAD)."
+            )
+        elif libraries:
+            uses = (
+                f"it needs the operator libraries {', '.join(libraries)} (--load-library) "
+                "beside it, which the launch line above preloads (LD_PRELOAD)."
+            )
+        else:
+            uses = "it calls no custom operator, so nothing is preloaded for it."
+        body = _TORCHSCRIPT_SECTION.format(uses=uses, **model)
+    else:
+        body = _ONNX_SECTION
+    return f"\n## {name} ({backend} backend)\n\n{body}"
+
+
+_README_HEADER = """# Triton model repository
+
+Written by `bladesmith export triton`. Models: {models}.
+
+Start one Triton on all of them (REPO is where this repository was written: change it
+if you move the repository):
+
+    REPO={repository}
+    {launch}
+
+Each model's section below says what its backend needs.
+"""
+
+_PYTHON_SECTION = """Any bladesmith artifact, batched dynamically up to the artifact's
+batch size. The backend runs the model with the Python environment whose interpreter is
+first on PATH, which must have bladesmith installed (pip install 'bladesmith[serve]');
+this one was written by {python}, whose folder the launch line above puts first on PATH.
 
 The interpreter's own libpython goes first on LD_LIBRARY_PATH: the backend's stub would
 otherwise load the system's, which fails with a Python built elsewhere. Triton's Python
@@ -345,26 +497,15 @@ backend stub must match the interpreter's version (nvidia-pytriton bundles a ser
 one per version: `bladesmith serve ARTIFACT` uses it and sets all this for you).
 """
 
-_TORCHSCRIPT_README = """# Triton model repository (pytorch_libtorch backend)
-
-The TorchScript model calls bladesmith's custom operators, compiled into
-{library} beside it (with any --load-library). Start a Triton whose libtorch
-backend is built against PyTorch {torch_version} (the NGC container of that release)
-with the libraries preloaded:
-
-    LD_PRELOAD={preload} tritonserver --model-repository {{repository}}
+_TORCHSCRIPT_SECTION = """TorchScript: {uses}
+Triton's libtorch backend must be built against PyTorch {torch_version} (the NGC container
+of that release).
 
 Inputs and outputs are whole batches of the size the artifact was built for
 (max_batch_size 0): Triton's native backends do not pad a partial batch; the Python
 backend (`bladesmith export triton ARTIFACT REPO --backend python`) does.
 """
 
-_ONNX_README = """# Triton model repository (onnxruntime backend)
-
-Standard ONNX only, no custom operators:
-
-    tritonserver --model-repository {repository}
-
-Inputs and outputs are whole batches of the size the model was exported for
-(max_batch_size 0).
+_ONNX_SECTION = """Standard ONNX only, no custom operators. Inputs and outputs are whole
+batches of the size the model was exported for (max_batch_size 0).
 """

@@ -15,7 +15,9 @@ virtual environment's packages).
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,14 +25,30 @@ import sysconfig
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 from bladesmith.errors import BladesmithError
 
 STARTUP_TIMEOUT_S = 300.0
-SHUTDOWN_TIMEOUT_S = 30.0  # in-flight requests are answered; idle keep-alive connections
-# hold the exit up to this long (close clients first)
+# Stopping: the models are unloaded first (Triton refuses new requests for them at once and
+# answers those in flight, within DRAIN_TIMEOUT_S), then tritonserver is sent SIGINT and
+# closes its endpoints: a client's idle keep-alive connection holds that up to
+# EXIT_TIMEOUT_S. Whatever is left after KILL_AFTER_S more is killed, the Python backend's
+# stubs included (a tritonserver that crashes leaves them running).
+DRAIN_TIMEOUT_S = 30.0
+EXIT_TIMEOUT_S = 5
+KILL_AFTER_S = 15.0
+SHUTDOWN_TIMEOUT_S = DRAIN_TIMEOUT_S + EXIT_TIMEOUT_S + KILL_AFTER_S  # the longest stop()
+DEFAULT_HOST = "127.0.0.1"  # this machine only; "0.0.0.0": every interface
+_ADMIN_HEADER = "bladesmith-admin"  # the repository API (unload) needs it; clients do not
+_PORT_FLAGS = ("--http-port", "--grpc-port", "--metrics-port")
+
+
+class ServerStopError(BladesmithError):
+    """tritonserver did not stop cleanly (requests may have been cut off); what was left
+    of it has been killed and its shared memory removed."""
 
 
 def tritonserver_home() -> Path:
@@ -83,8 +101,99 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def check_port(port: int, flag: str = "--http-port") -> int:
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        raise BladesmithError(f"{flag} {port}: a port is a number from 1 to 65535")
+    return port
+
+
+def connect_host(host: str) -> str:
+    """Where a client on this machine reaches a server listening on ``host``."""
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def _url_host(host: str) -> str:
+    host = connect_host(host)
+    return f"[{host}]" if ":" in host else host
+
+
+def check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """Each port can be listened on at ``host`` now (else one line naming the flag), and
+    no port serves two endpoints."""
+    import errno
+    import socket
+
+    seen: dict[int, str] = {}
+    for flag, port in ports.items():
+        check_port(port, flag)
+        if port in seen:
+            raise BladesmithError(
+                f"{seen[port]} and {flag} are both {port}: each endpoint needs its own port"
+            )
+        seen[port] = flag
+    for flag, port in ports.items():
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except socket.gaierror as error:
+            raise BladesmithError(f"--host {host}: not an address here ({error})") from None
+        family, kind, protocol, _, address = infos[0]
+        with socket.socket(family, kind, protocol) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Triton does
+            try:
+                probe.bind(address)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    raise BladesmithError(
+                        f"{flag} {port}: the port is in use on {host} (another server?); "
+                        f"choose another {flag}"
+                    ) from None
+                if error.errno == errno.EACCES:
+                    raise BladesmithError(
+                        f"{flag} {port}: not allowed to listen on it (ports below 1024 need "
+                        f"root); choose another {flag}"
+                    ) from None
+                raise BladesmithError(f"--host {host}: cannot listen there: {error}") from None
+
+
+def _group_members(group: int) -> list[int]:
+    """The live (not zombie) processes of process group ``group``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == group and fields[0] not in ("Z", "X"):
+            members.append(int(entry))
+    return members
+
+
+def _end_group(group: int, timeout: float = 10.0) -> list[int]:
+    """SIGKILL what is left of the process group ``group`` (the Python backend's stubs of
+    a tritonserver that crashed ignore SIGTERM) and wait for it to go; the pids found."""
+    found = _group_members(group)
+    if found:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + timeout
+        while _group_members(group) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return found
+
+
 class Server:
-    """tritonserver on ``repository``; ``start()`` returns once it is ready."""
+    """tritonserver on ``repository``; ``start()`` returns once it is ready.
+
+    It listens on ``host`` (default 127.0.0.1: this machine only; "0.0.0.0": every
+    interface). ``stop()`` unloads the models (new requests are refused, those in flight
+    answered), stops tritonserver, kills whatever is left of it (the Python backend's
+    stubs included) and removes its shared memory; ``stop_problem`` says why a stop was
+    not clean (None when it was).
+    """
 
     def __init__(
         self,
@@ -93,42 +202,63 @@ class Server:
         http_port: int = 8000,
         grpc_port: int = 8001,
         metrics_port: int = 8002,
+        host: str = DEFAULT_HOST,
         log: str | Path | None = None,
         owns: tempfile.TemporaryDirectory | None = None,
     ):
         self.repository = Path(repository)
+        for flag, port in zip(_PORT_FLAGS, (http_port, grpc_port, metrics_port)):
+            check_port(port, flag)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.host = host
         self.log = Path(log) if log else None
+        self.stop_problem: str | None = None
         self._process: subprocess.Popen | None = None
         self._workdir: tempfile.TemporaryDirectory | None = None
         self._owns = owns  # removed once the server has stopped (a generated repository)
+        self._token = secrets.token_hex(16)
+        # The Python backend's shared-memory regions: /dev/shm/PREFIX*, this server's own.
+        self._shm_prefix = f"bladesmith_triton_{os.getpid()}_{secrets.token_hex(4)}_"
 
     @property
     def url(self) -> str:
-        return f"localhost:{self.http_port}"
+        return f"{_url_host(self.host)}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"grpc://localhost:{self.grpc_port}"
+        return f"grpc://{_url_host(self.host)}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://localhost:{self.metrics_port}/metrics"
+        return f"http://{_url_host(self.host)}:{self.metrics_port}/metrics"
 
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> Server:
         home = tritonserver_home()
+        check_ports_free(
+            self.host, dict(zip(_PORT_FLAGS, (self.http_port, self.grpc_port, self.metrics_port)))
+        )
+        self.stop_problem = None
         self._workdir = tempfile.TemporaryDirectory(prefix="bladesmith-triton-")
         backends = _backend_directory(home, Path(self._workdir.name) / "backends")
+        admin = f"model-repository:{_ADMIN_HEADER}={self._token}"
         command = [
             str(home / "bin" / "tritonserver"),
             f"--model-repository={self.repository}",
             f"--backend-directory={backends}",
+            f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
+            "--model-control-mode=explicit",  # so that stop() can unload the models first
+            "--load-model=*",
+            f"--http-restricted-api={admin}",
+            f"--grpc-restricted-protocol={admin}",
+            f"--http-address={self.host}",
+            f"--grpc-address={self.host}",
+            f"--metrics-address={self.host}",
             f"--http-port={self.http_port}",
             f"--grpc-port={self.grpc_port}",
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
             "--allow-gpu-metrics=false",
-            f"--exit-timeout-secs={int(SHUTDOWN_TIMEOUT_S)}",
+            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
         ]
         output = open(self.log, "ab") if self.log else None  # noqa: SIM115 - the child keeps it
         try:
@@ -165,11 +295,19 @@ class Server:
             time.sleep(0.25)
         raise BladesmithError(f"serve: tritonserver was not ready after {timeout:.0f} s")
 
+    def _http(self, path: str, *, post: bool = False, timeout: float = 2.0):
+        url = f"http://{_url_host(self.host)}:{self.http_port}/v2/{path}"
+        request = urllib.request.Request(
+            url, data=b"{}" if post else None, headers={_ADMIN_HEADER: self._token}
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read()
+            return json.loads(body) if body else None
+
     def _health(self, what: str) -> bool:
-        url = f"http://localhost:{self.http_port}/v2/health/{what}"
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                return response.status == 200
+            self._http(f"health/{what}")
+            return True
         except OSError:
             return False
 
@@ -187,25 +325,78 @@ class Server:
         while self.running() and not stop.wait(0.5):
             pass
 
-    def stop(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> int | None:
-        """SIGINT: Triton stops taking requests, answers those in flight, unloads the
-        models and exits; killed if it has not after ``timeout``. Its exit code."""
+    def _drain(self, timeout: float) -> str | None:
+        """Unload every model: Triton refuses new requests for it at once and answers
+        those in flight; wait (``timeout``) until all are unloaded. Why not, or None."""
+        deadline = time.monotonic() + timeout
+        try:
+            index = self._http("repository/index", post=True)
+            loaded = [model["name"] for model in index if model.get("state") == "READY"]
+            for name in loaded:
+                self._http(
+                    f"repository/models/{urllib.parse.quote(name)}/unload",
+                    post=True,
+                    timeout=max(1.0, deadline - time.monotonic()),
+                )
+            while True:
+                index = self._http("repository/index", post=True)
+                left = [m["name"] for m in index if m.get("state") in ("READY", "UNLOADING")]
+                if not left:
+                    return None
+                if time.monotonic() > deadline:
+                    return f"requests to {', '.join(left)} were still running after {timeout:.0f} s"
+                time.sleep(0.1)
+        except (OSError, ValueError) as error:
+            return f"could not unload the models first: {error}"
+
+    def stop(self, timeout: float = DRAIN_TIMEOUT_S) -> int | None:
+        """Stop taking requests, answer those in flight (within ``timeout``), stop
+        tritonserver, kill whatever is left of it and remove its shared memory. Its exit
+        code (0: a clean stop; else ``stop_problem`` says what went wrong)."""
         process, self._process = self._process, None
         code = None
+        problems = []
         if process is not None:
             if process.poll() is None:
+                problem = self._drain(timeout)
+                if problem:
+                    problems.append(problem)
                 process.send_signal(signal.SIGINT)
                 try:
-                    process.wait(timeout + 10)
+                    process.wait(EXIT_TIMEOUT_S + KILL_AFTER_S)
                 except subprocess.TimeoutExpired:
+                    problems.append(
+                        f"it had not exited {EXIT_TIMEOUT_S + KILL_AFTER_S:.0f} s "
+                        "after SIGINT and was killed"
+                    )
                     process.kill()
                     process.wait()
             code = process.returncode
+            if code:
+                problems.append(f"tritonserver exited with code {code}")
+            left = _end_group(process.pid)
+            if left:
+                problems.append(f"killed {len(left)} process(es) it left running")
+        self._remove_shared_memory()
         for owned in (self._workdir, self._owns):
             if owned is not None:
                 owned.cleanup()
         self._workdir = self._owns = None
+        self.stop_problem = "; ".join(problems) or None
         return code
+
+    def _remove_shared_memory(self) -> list[str]:
+        """This server's Python-backend regions left in /dev/shm (a crash leaves them)."""
+        removed = []
+        shm = Path("/dev/shm")
+        if shm.is_dir():
+            for region in shm.glob(f"{self._shm_prefix}*"):
+                try:
+                    region.unlink()
+                    removed.append(region.name)
+                except OSError:
+                    pass
+        return removed
 
     def __enter__(self) -> Server:
         return self if self.running() else self.start()

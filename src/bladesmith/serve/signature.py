@@ -57,6 +57,11 @@ class TensorSpec:
         return TRITON_DTYPES[self.dtype]
 
 
+class BadRequest(str):
+    """Why a request was refused for what it holds (the client's error, HTTP 400), as
+    against the model failing on it."""
+
+
 @dataclass(frozen=True)
 class Signature:
     inputs: tuple[TensorSpec, ...]
@@ -164,6 +169,7 @@ class BucketRunner:
         """For each request (its input arrays, rows first): its outputs by name, or the
         reason it was refused. A refused request does not fail the others."""
         answers: list = [self.signature.check(arrays) for arrays in requests]
+        answers = [BadRequest(error) if error else None for error in answers]
         good = [i for i, error in enumerate(answers) if error is None]
         if not good:
             return answers
