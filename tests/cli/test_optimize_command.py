@@ -119,3 +119,23 @@ def test_bench_gives_no_speedup_between_artifacts_of_different_input_shapes():
     assert rows[0]["speedup"] == "1.00x"
     assert rows[1]["speedup"] is None and rows[1]["timing"]["iterations"] == 3
     assert rows[2]["speedup"].endswith("]")  # same shape: timed against the first
+
+
+def test_bench_counts_every_image_of_a_batch_and_says_where_the_first_ran_otherwise():
+    import time
+
+    from bladesmith.cli.optimize import _speedup_text, _time_side_by_side
+
+    def artifact(shape, seconds):
+        return {"device": "cpu", "input_shape": shape}, None, lambda: time.sleep(seconds)
+
+    batch = [4, 3, 8, 8]
+    rows = _time_side_by_side([artifact(batch, 0.004), artifact(batch, 0.002)], 0, 3)
+    for row in rows:
+        timing = row["timing"]
+        assert timing["batch_size"] == 4
+        assert timing["throughput"] == pytest.approx(4000 / timing["p50_ms"])
+    assert rows[1]["first_p50_ms"] > 0
+    row = {"speedup": "2.00x [1.90-2.10]", "first_p50_ms": 8.0}
+    assert _speedup_text(row, 8.1) == "2.00x [1.90-2.10]"
+    assert _speedup_text(row, 4.0) == "2.00x [1.90-2.10] (the first at 8.00 ms in its rounds)"
