@@ -340,6 +340,19 @@ def test_export_of_a_plain_module_needs_no_custom_domain(tmp_path, capfd):
     assert "Custom opset domain" not in capfd.readouterr().err
 
 
+def test_a_module_whose_forward_has_bool_defaults_exports_with_its_outputs(tmp_path):
+    """torch's exporter passed is_causal=False to the trace as a tensor, and
+    scaled_dot_product_attention refused it ("must be bool, not Tensor")."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True).eval()
+    x = torch.randn(2, 5, 32)
+    path = export(layer, (x,), tmp_path / "encoder.onnx")
+    assert not layer.training  # left in the mode it was given in
+    (got,) = session(path, device="cpu")(x)
+    with torch.no_grad():
+        torch.testing.assert_close(got, layer(x), rtol=1e-4, atol=1e-5)
+
+
 class Flags(torch.nn.Module):
     """Non-tensor arguments, which the export holds as constants in the graph."""
 

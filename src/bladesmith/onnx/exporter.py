@@ -67,7 +67,10 @@ def export(
     workdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         raw = workdir / "raw.onnx"
-        _torch_export(model, args, raw, opset, custom_ops, input_names, output_names, dynamic_axes)
+        exported = _given_arguments_only(model, args)
+        _torch_export(
+            exported, args, raw, opset, custom_ops, input_names, output_names, dynamic_axes
+        )
         _finish(raw, workdir / path.name, external_data, baked_arguments(model, args))
         _move_into_place(workdir, path)
     finally:
@@ -120,6 +123,34 @@ def _torch_export(
             raise BladesmithError(user_ops.missing_translation_message(name)) from None
         except Exception as error:  # the exporter's own errors, re-said with what to do
             raise _export_error(error, opset) from error
+
+
+def _given_arguments_only(model, args):
+    """``model``, or a module that calls it with ``args`` alone where its ``forward`` has
+    parameters beyond them with number or bool defaults: the TorchScript exporter passes
+    such defaults to the trace as tensors, and an operator that takes a bool fails
+    (nn.TransformerEncoderLayer's ``is_causal``: "must be bool, not Tensor")."""
+    if not isinstance(model, torch.nn.Module) or isinstance(model, torch.jit.ScriptModule):
+        return model
+    given = len(args) if isinstance(args, tuple) else 1
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())[given:]
+    except (TypeError, ValueError):
+        return model
+    if not any(isinstance(p.default, (bool, int, float)) for p in parameters):
+        return model
+    wrapper = _Forward(model)
+    wrapper.training = model.training  # the exporter restores this mode on the model after
+    return wrapper
+
+
+class _Forward(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args):
+        return self.model(*args)
 
 
 def baked_arguments(model, args: tuple) -> list[dict]:
