@@ -182,3 +182,24 @@ def test_another_image_size_is_refused_in_one_line_with_what_to_do():
     assert "got shape (1, 3, 96, 96) float32" in message
     assert "exported for (batch, 3, 64, 64) float32" in message
     assert "test data of this size" in message and "\n" not in message
+
+
+class OptionalBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x, bias=None):
+        y = self.linear(x)
+        return y if bias is None else y + bias
+
+
+def test_a_tensor_argument_the_export_never_saw_is_refused_in_one_line():
+    """The graph has no input for it: before, "the model takes 1 inputs; got 2"."""
+    from bladesmith.errors import BladesmithError
+
+    x = torch.rand(2, 4)
+    result = built_on(OptionalBias(), x)
+    torch.testing.assert_close(result(x), OptionalBias.forward(result.module, x))
+    with pytest.raises(BladesmithError, match=r"^bias: this ONNX model was exported from calls "):
+        result(x, bias=torch.ones(3))
