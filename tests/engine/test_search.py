@@ -586,3 +586,27 @@ def test_models_whose_calls_keep_their_state_are_not_refused():
     ):
         optimized, _, _ = bladesmith.optimize(model, device="cpu", test_data=[args], config=QUICK)
         torch.testing.assert_close(optimized(*args), model.eval()(*args))
+
+
+class Flags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x, negate: bool):
+        y = self.linear(x)
+        return -y if negate else y
+
+
+def test_non_tensor_arguments_refuse_the_formats_that_cannot_keep_them(tmp_path):
+    """Before, .pt and .onnx were tried and refused with the tracer's and ONNX Runtime's
+    own errors ("missing inputs: onnx::Reshape_1")."""
+    from bladesmith.errors import BladesmithError
+
+    optimized, spec, _ = bladesmith.optimize(
+        Flags().eval(), device="cpu", test_data=[(torch.rand(2, 4), True)], config=QUICK, passes=[]
+    )
+    for suffix in (".pt", ".onnx"):
+        assert "non-tensor arguments (negate=True)" in spec.refused_formats[suffix]
+        with pytest.raises(BladesmithError, match="non-tensor arguments"):
+            bladesmith.save(optimized, tmp_path / f"flags{suffix}")

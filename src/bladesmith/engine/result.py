@@ -13,6 +13,7 @@ from bladesmith import bench
 from bladesmith.artifact import try_formats
 from bladesmith.bench import Speedup
 from bladesmith.onnx import user_ops
+from bladesmith.onnx.exporter import held_constants
 from bladesmith.ops import libraries
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.precision import BFLOAT16_PASSES, NO_ONNX_BF16
@@ -77,6 +78,22 @@ def _save_formats(best: Candidate, context: Context, saves_as: str | None) -> tu
             f"({user_ops.REGISTER_CALL} gives one)"
         )
     return tuple(formats)
+
+
+def constant_argument_refusals(best: Candidate, context: Context) -> dict[str, str]:
+    """The formats refused because the test data passes non-tensor arguments (suffix:
+    why): a trace cannot take them and an ONNX export holds them as constants; a
+    TorchScript model saves as itself, and torch.export checks such constants."""
+    constants = held_constants(best.module, best.runner_args(context.example_args))
+    if not constants:
+        return {}
+    why = (
+        f"the test data passes non-tensor arguments ({', '.join(constants)}), which a trace "
+        f"cannot take and an ONNX export holds as constants; {AOTI_SUFFIX} (torch.export) "
+        "keeps them as constants it checks on every call"
+    )
+    refused = [ONNX_SUFFIX] + ([] if is_torchscript(best.module) else [TORCHSCRIPT_SUFFIX])
+    return dict.fromkeys(refused, why)
 
 
 def with_tried_formats(

@@ -41,7 +41,13 @@ from bladesmith.engine.inputs import (
 )
 from bladesmith.engine.progress import Progress
 from bladesmith.engine.reference import Reference
-from bladesmith.engine.result import compatibility, diagnosis, spec_of, with_tried_formats
+from bladesmith.engine.result import (
+    compatibility,
+    constant_argument_refusals,
+    diagnosis,
+    spec_of,
+    with_tried_formats,
+)
 from bladesmith.engine.state import changed, fingerprint
 from bladesmith.errors import describe
 from bladesmith.families import family_of
@@ -225,7 +231,7 @@ def optimize(
             spec,
             optimized,
             context.test_args,
-            refused=_refused_formats(passes, best),
+            refused={**_refused_formats(passes, best), **constant_argument_refusals(best, context)},
             judge=lambda outputs: reference.compare(outputs, best.dtype, config),
             tolerance=reference.tolerance(best.dtype, config),
         )

@@ -180,6 +180,16 @@ def baked_arguments(model, args: tuple) -> list[dict]:
     return entries
 
 
+def held_constants(model, args: tuple) -> list[str]:
+    """ "name=value" of each non-tensor value among ``args`` that an export holds as a
+    constant (None is left out: the graph just lacks that input)."""
+    return [
+        f"{entry['name']}={entry['repr']}"
+        for entry in baked_arguments(model, args)
+        if entry.get("value", ...) is not None
+    ]
+
+
 def _parameter_names(model) -> list[str]:
     """The names of ``model``'s positional parameters, as far as they are known."""
     try:

@@ -40,14 +40,9 @@ class OnnxRuntime(Pass):
             return "onnxruntime is not installed (pip install onnxruntime)"
         if candidate.dtype == torch.bfloat16:
             return "ONNX Runtime's CPU kernels take no bfloat16 (a bfloat16 pass was kept)"
-        from bladesmith.onnx.exporter import baked_arguments
+        from bladesmith.onnx.exporter import held_constants
 
-        args = candidate.runner_args(context.example_args)
-        baked = [
-            f"{entry['name']}={entry['repr']}"
-            for entry in baked_arguments(candidate.module, args)
-            if entry.get("value", ...) is not None  # None: the graph just lacks that input
-        ]
+        baked = held_constants(candidate.module, candidate.runner_args(context.example_args))
         if baked:
             return (
                 f"the test data passes non-tensor arguments ({', '.join(baked)}), which an "
