@@ -289,6 +289,14 @@ def test_serve_says_in_one_line_what_is_wrong(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "plain.onnx was not written by bladesmith.save" in err and len(err.splitlines()) == 1
     assert "optimize MODEL --out plain.onnx" in err and "export triton plain.onnx" in err
+    # The advice works: Triton's onnxruntime backend takes the file as it is.
+    advice = ["export", "triton", str(tmp_path / "plain.onnx"), str(tmp_path / "repo")]
+    assert main([*advice, "--backend", "onnxruntime"]) == 0
+    # A plain TorchScript file: no Triton route is offered, as none takes it.
+    torch.jit.save(torch.jit.script(torch.nn.ReLU()), str(tmp_path / "plain.pt"))
+    assert main(["serve", str(tmp_path / "plain.pt"), *ports]) == 2
+    err = capsys.readouterr().err
+    assert "optimize MODEL --out plain.pt" in err and "export triton" not in err
 
 
 def test_loadtest_of_a_server_that_is_not_there_says_so_in_one_line(capsys):

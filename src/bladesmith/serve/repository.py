@@ -160,7 +160,8 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
     try:
         loaded = bladesmith.load(artifact)
     except NotAnArtifactError:
-        raise NotAnArtifactError(_NOT_AN_ARTIFACT.format(name=artifact.name)) from None
+        plain = _PLAIN_ONNX.format(name=artifact.name) if artifact.suffix == ".onnx" else ""
+        raise NotAnArtifactError(_NOT_AN_ARTIFACT.format(name=artifact.name) + plain) from None
     gpus = _gpus(artifact, loaded.device, deployment.device)
     signature = signature_of(loaded, deployment.image_dtype)
     compute_dtype = loaded.spec.dtype
@@ -400,9 +401,12 @@ def signature_from_config(config_text: str) -> Signature:
 _NOT_AN_ARTIFACT = (
     "{name} was not written by bladesmith.save (`bladesmith export onnx` and "
     "torch.jit.save write plain files, without the batch, device and outputs bladesmith "
-    "serves by): save one with `bladesmith optimize MODEL --out {name}`, or serve a plain "
-    "file on a Triton of your own: `bladesmith export triton {name} REPO_DIR` (backend "
-    "onnxruntime for .onnx, pytorch_libtorch for .pt)"
+    "serves by): save one with `bladesmith optimize MODEL --out {name}`"
+)
+# Triton's onnxruntime backend reads a standard ONNX file's inputs and outputs itself.
+_PLAIN_ONNX = (
+    ", or put a standard one (`bladesmith export onnx ... --custom-ops standard`) on a "
+    "Triton of your own: `bladesmith export triton {name} REPO_DIR --backend onnxruntime`"
 )
 _SECTION = re.compile(r"^<!-- bladesmith model (\{.*\}) -->\n", re.MULTILINE)
 
