@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -300,6 +301,12 @@ def load(path: str | os.PathLike) -> OptimizedModule:
     if path.suffix not in SAVE_FORMATS:
         known = ", ".join(SAVE_FORMATS)
         raise BladesmithError(f"load: {str(path)!r} has an unknown suffix; expected {known}")
+    # torch's loaders log their failures before raising: say it here, in one line.
+    if path.suffix in (AOTI_SUFFIX, TORCHSCRIPT_SUFFIX) and not zipfile.is_zipfile(path):
+        raise BladesmithError(
+            f"load: cannot load {str(path)!r}, {contents(path)}; bladesmith.load reads what "
+            "bladesmith.save wrote"
+        )
     ops_error = _load_custom_ops()
     libraries.restore(path)
     try:

@@ -38,6 +38,7 @@ _NAMES = {
     "directory": "folder.pt",
     "empty": "empty.pt",
     "random": "random.pt",
+    "random_pt2": "random.pt2",
     "zip": "notes.pt",
     "model": "conv.pt",
     "fixed": "fixed.pt",
@@ -59,6 +60,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     f["directory"].mkdir()
     f["empty"].write_bytes(b"")
     f["random"].write_bytes(random.Random(0).randbytes(4096))
+    f["random_pt2"].write_bytes(random.Random(1).randbytes(4096))
     with zipfile.ZipFile(f["zip"], "w") as archive:
         archive.writestr("readme.txt", "not a model")
     torch.jit.script(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())).save(str(f["model"]))
@@ -84,6 +86,7 @@ def _table() -> list[tuple[str, str, str]]:
     """(case id, command line with {file} keys, what the error line must name)."""
     cases = []
     unreadable = ["missing", "directory", "empty", "random", "zip", "corrupt", "tensor"]
+    unreadable.append("random_pt2")  # torch.export.load logged its traceback first
     for key in [*unreadable, "onnx"]:
         cases.append((f"optimize-{key}", f"optimize {{{key}}}", key))
         cases.append((f"bench-{key}", f"bench {{{key}}}", key))

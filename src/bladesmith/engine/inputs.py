@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 
 import torch
@@ -73,12 +74,17 @@ def load_model_file(path) -> nn.Module:
         ops.load_library()
     if path.endswith(AOTI_SUFFIX):
         try:
-            return torch.export.load(path).module()
+            with _quiet_export_loader():
+                return torch.export.load(path).module()
         except Exception as error:
+            what = contents(path)
+            hint = (
+                "; an AOTInductor package is already compiled: load it with bladesmith.load"
+                if what.startswith("a torch.export or AOTInductor")
+                else ""
+            )
             raise BladesmithError(
-                f"model {path!r}: not a torch.export program but {contents(path)} "
-                f"({first_line(error)}); an AOTInductor package is already compiled: load "
-                "it with bladesmith.load"
+                f"model {path!r}: not a torch.export program: {what} ({first_line(error)}){hint}"
             ) from error
     try:
         with quiet_torchscript():
@@ -97,6 +103,19 @@ def load_model_file(path) -> nn.Module:
             "path), or a .pt2 with torch.export.save(torch.export.export(model, example), "
             "path), or pass the nn.Module from Python"
         ) from error
+
+
+@contextlib.contextmanager
+def _quiet_export_loader():
+    """torch.export.load logs each failed attempt with its traceback before raising; the
+    error raised is what bladesmith reports, in one line."""
+    logger = logging.getLogger("torch.export")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def device_argument(device, device_type: str | None):

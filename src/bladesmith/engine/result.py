@@ -82,18 +82,16 @@ def _save_formats(best: Candidate, context: Context, saves_as: str | None) -> tu
 
 def constant_argument_refusals(best: Candidate, context: Context) -> dict[str, str]:
     """The formats refused because the test data passes non-tensor arguments (suffix:
-    why): a trace cannot take them and an ONNX export holds them as constants; a
-    TorchScript model saves as itself, and torch.export checks such constants."""
+    why): a trace cannot take them. A TorchScript model saves as itself; an ONNX export
+    records them and refuses other values; torch.export checks them on every call."""
     constants = held_constants(best.module, best.runner_args(context.example_args))
-    if not constants:
+    if not constants or is_torchscript(best.module):
         return {}
-    why = (
-        f"the test data passes non-tensor arguments ({', '.join(constants)}), which a trace "
-        f"cannot take and an ONNX export holds as constants; {AOTI_SUFFIX} (torch.export) "
-        "keeps them as constants it checks on every call"
-    )
-    refused = [ONNX_SUFFIX] + ([] if is_torchscript(best.module) else [TORCHSCRIPT_SUFFIX])
-    return dict.fromkeys(refused, why)
+    return {
+        TORCHSCRIPT_SUFFIX: f"the test data passes non-tensor arguments ({', '.join(constants)}), "
+        f"which a trace cannot take; {AOTI_SUFFIX} (torch.export) and {ONNX_SUFFIX} keep them "
+        "as constants that they check on every call"
+    }
 
 
 def with_tried_formats(
