@@ -322,8 +322,14 @@ def output_console():
     assume 80 and fold the report's tables into unreadable columns."""
     from rich.console import Console
 
-    console = Console()
-    return console if console.is_terminal else Console(width=160)
+    class Output(Console):
+        def on_broken_pipe(self) -> None:
+            # rich exits 1 here; the command line's handler stops quietly with 141, as
+            # for any other closed stdout.
+            raise BrokenPipeError
+
+    console = Output()
+    return console if console.is_terminal else Output(width=160)
 
 
 def hardware_context(device=None) -> dict:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from bladesmith.cli import main
+from bladesmith.cli import EXIT_BROKEN_PIPE, main
 from bladesmith.devices import DeviceInfo
 from bladesmith.environment import DoctorResult, OpsStatus, Package, Pitfall, Tool, Toolchain
 
@@ -145,3 +146,23 @@ def test_argument_types_name_what_they_expect():
     for bad in ("0", "x"):
         with pytest.raises(argparse.ArgumentTypeError, match="integer"):
             at_least(1)(bad)
+
+
+def test_a_closed_stdout_ends_a_command_that_prints_through_rich_quietly():
+    """`bladesmith doctor | true`: rich's own handler exited 1."""
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write fails with EPIPE
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "bladesmith", "doctor"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            env=env,
+            timeout=300,
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr.decode() == ""
+    assert done.returncode == EXIT_BROKEN_PIPE
