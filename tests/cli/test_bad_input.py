@@ -204,7 +204,8 @@ def test_a_torchscript_models_own_error_is_its_cause_in_one_short_line(
     (error,) = [text for text in err.splitlines() if text.strip()]
     assert code == 2 and files["gray"].name in error and "--batch" in error, error
     assert "to have 1 channels, but got 3 channels instead" in error, error
-    assert "HERE" not in error and len(error) < 400, error
+    assert "RGB images" in error, error  # what the command line feeds it
+    assert "HERE" not in error and len(error) < 500, error  # one line, not a stack
 
 
 def test_a_pickled_model_is_named_as_one_with_what_to_save_instead(files, capsys):

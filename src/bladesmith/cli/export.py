@@ -225,9 +225,7 @@ def _check_runs(model, images, args) -> None:
         raise BladesmithError(
             f"{args.model}: the model failed on images of shape {list(images.shape)}: "
             f"{first_line(error)}; give --input-size (now {height}x{width}) and --batch (now "
-            f"{args.batch}) that the model takes; the command line feeds it RGB photographs "
-            "[N, 3, H, W], so other inputs go through Python: bladesmith.onnx.export(model, "
-            "args, path)"
+            f"{args.batch}) that the model takes (it gets RGB images; other inputs: from Python)"
         ) from error
 
 

@@ -178,9 +178,7 @@ def run_optimize(args: argparse.Namespace) -> int:
         height, width = args.input_size
         raise BladesmithError(
             f"{model}: {error}; give --input-size (now {height}x{width}) and --batch (now "
-            f"{args.batch}) that the model takes; the command line feeds it RGB photographs "
-            "[N, 3, H, W], so other inputs go through Python: bladesmith.optimize(model, "
-            "test_data=...)"
+            f"{args.batch}) that the model takes (it gets RGB images; other inputs: from Python)"
         ) from error
     console = output_console()
     report.render(console)
