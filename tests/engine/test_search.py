@@ -12,6 +12,7 @@ from torch import nn
 
 import bladesmith
 from bladesmith.config import Config
+from bladesmith.errors import BladesmithError
 from bladesmith.families.base import DetectionFamily
 from bladesmith.passes import Candidate, Pass, PassSkipped
 
@@ -282,6 +283,9 @@ def test_models_given_as_torchscript_exported_program_and_file(tmp_path):
         assert report.model_info["format"] == kind
         torch.testing.assert_close(optimized(x), model(x))
     assert spec.save_formats == (".pt", ".onnx")  # no .pt2: TorchScript does not export
+    assert "TorchScript model does not go through torch.export" in spec.refused_formats[".pt2"]
+    with pytest.raises(BladesmithError, match=r"save: \.pt2 refused: a TorchScript"):
+        bladesmith.save(optimized, tmp_path / "out.pt2")  # said, not "must end with .pt, .onnx"
 
 
 def test_test_data_is_checked():
@@ -601,8 +605,6 @@ class Flags(nn.Module):
 def test_non_tensor_arguments_refuse_a_traced_save_and_say_why(tmp_path):
     """Before, .pt was tried and refused with the tracer's own error ("Type
     'Tuple[Tensor, bool]' cannot be traced")."""
-    from bladesmith.errors import BladesmithError
-
     optimized, spec, _ = bladesmith.optimize(
         Flags().eval(), device="cpu", test_data=[(torch.rand(2, 4), True)], config=QUICK, passes=[]
     )

@@ -36,6 +36,7 @@ def spec_of(best: Candidate, context: Context, saves_as: str | None) -> Spec:
     else:
         output = OUTPUT_AS_MODEL
     leaves = pytree.tree_leaves(best.runner_args(context.example_args))
+    formats, left_out = _save_formats(best, context, saves_as)
     return Spec(
         device=str(context.device),
         dtype=str(best.dtype).removeprefix("torch."),
@@ -43,41 +44,53 @@ def spec_of(best: Candidate, context: Context, saves_as: str | None) -> Spec:
         output=output,
         passes=best.applied,
         backend=best.backend,
-        save_formats=_save_formats(best, context, saves_as),
+        save_formats=tuple(formats),
         family=best.family.name if best.family is not None else None,
+        refused_formats=left_out,
     )
 
 
-def _save_formats(best: Candidate, context: Context, saves_as: str | None) -> tuple[str, ...]:
-    """The formats ``save`` can write, the one closest to what runs first. Those the
-    user's operators rule out are left out, with a note saying why."""
+def _save_formats(
+    best: Candidate, context: Context, saves_as: str | None
+) -> tuple[list[str], dict[str, str]]:
+    """The formats ``save`` can write, the one closest to what runs first, and those left
+    out (suffix: why; what the user's operators rule out is noted in the report too)."""
     device = context.device
+    left_out = {}
     if is_torchscript(best.module):
         formats = [TORCHSCRIPT_SUFFIX]
+        left_out[AOTI_SUFFIX] = "a TorchScript model does not go through torch.export"
     elif device.type == "cuda":
         formats = [AOTI_SUFFIX, TORCHSCRIPT_SUFFIX]
     else:
         formats = [TORCHSCRIPT_SUFFIX, AOTI_SUFFIX]
     if device.type == "cpu":
         formats.append(ONNX_SUFFIX)
+    else:
+        left_out[ONNX_SUFFIX] = (
+            f"bladesmith checks a saved {ONNX_SUFFIX} in ONNX Runtime on the CPU: optimize "
+            "with device='cpu' for one"
+        )
     if saves_as in formats:  # what the backend runs comes first
         formats.remove(saves_as)
         formats.insert(0, saves_as)
     lacking = libraries.without_fake_kernel(context.user_operators)
     if lacking and AOTI_SUFFIX in formats:
         formats.remove(AOTI_SUFFIX)
-        context.notes.append(
-            f"not saved as {AOTI_SUFFIX}: torch.export cannot trace {', '.join(lacking)} (no "
-            "fake kernel; torch.library.register_fake gives one)"
+        left_out[AOTI_SUFFIX] = (
+            f"torch.export cannot trace {', '.join(lacking)} (no fake kernel; "
+            "torch.library.register_fake gives one)"
         )
+        context.notes.append(f"not saved as {AOTI_SUFFIX}: {left_out[AOTI_SUFFIX]}")
     untranslated = sorted(op for op in context.user_operators if not user_ops.translation(op))
     if untranslated and ONNX_SUFFIX in formats:
         formats.remove(ONNX_SUFFIX)
-        context.notes.append(
-            f"not saved as {ONNX_SUFFIX}: {', '.join(untranslated)} has no ONNX translation "
-            f"({user_ops.REGISTER_CALL} gives one)"
+        left_out[ONNX_SUFFIX] = (
+            f"{', '.join(untranslated)} has no ONNX translation ({user_ops.REGISTER_CALL} "
+            "gives one)"
         )
-    return tuple(formats)
+        context.notes.append(f"not saved as {ONNX_SUFFIX}: {left_out[ONNX_SUFFIX]}")
+    return formats, left_out
 
 
 def constant_argument_refusals(best: Candidate, context: Context) -> dict[str, str]:
@@ -122,7 +135,7 @@ def with_tried_formats(
         spec,
         save_formats=tried,
         untried_formats=untried,
-        refused_formats={**refused, **failed},
+        refused_formats={**spec.refused_formats, **refused, **failed},
         tolerance=tolerance,
     )
 
