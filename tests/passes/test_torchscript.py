@@ -10,6 +10,7 @@ from bladesmith.passes.torchscript import TorchScriptFreeze
 from engine_testing import (
     context_for,
     conv_net,
+    tiny_detector,
 )
 
 
@@ -86,3 +87,16 @@ def test_outputs_torchscript_cannot_type_fail_in_one_line_without_values():
         raise AssertionError("a list of a tensor and a dict was traced")
     assert "\n" not in message and "tensor(" not in message, message
     assert "{'logits': Tensor, 'aux': (Tensor, [Tensor, {'n': Tensor}])}" in message
+
+
+def test_an_eager_torchvision_detector_is_skipped_and_its_pipeline_is_not():
+    """A trace would freeze the test image's number of detections (before: "failed
+    torchscript: RuntimeError: Only tensors, lists, tuples of tensors ...")."""
+    from bladesmith.passes.fixed_shape import FixedShape
+
+    model, photos = tiny_detector()
+    context = context_for((photos,))
+    eager = Candidate(model, torch.device("cpu"))
+    assert "fixed_shape" in TorchScriptFreeze().skip_reason(eager, context)
+    pipeline = FixedShape().apply(eager, context)
+    assert TorchScriptFreeze().skip_reason(pipeline, context) is None

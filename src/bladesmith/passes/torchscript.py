@@ -28,6 +28,12 @@ class TorchScriptFreeze(Pass):
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if context.device.type != "cpu" and not is_torchscript(candidate.module):
             return "on the GPU, Inductor compiles nn.Modules; this is for TorchScript models"
+        if _eager_torchvision_detector(candidate.module):
+            return (
+                "torchvision's detector keeps as many detections as each image has, which a "
+                "trace would freeze at the test image's count; its fixed-shape pipeline "
+                "(the fixed_shape pass) traces"
+            )
         return None
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
@@ -46,3 +52,12 @@ class TorchScriptFreeze(Pass):
                 with torch.no_grad():
                     runner(*example)  # the profiling executor specialises on first runs
         return candidate.with_runner(runner, self.name)
+
+
+def _eager_torchvision_detector(module) -> bool:
+    from torchvision.models.detection.fcos import FCOS
+    from torchvision.models.detection.generalized_rcnn import GeneralizedRCNN
+    from torchvision.models.detection.retinanet import RetinaNet
+    from torchvision.models.detection.ssd import SSD
+
+    return isinstance(module, (FCOS, SSD, GeneralizedRCNN, RetinaNet))
