@@ -30,27 +30,25 @@ class OnnxRunner:
         # A bool or number the export held as a constant must not silently answer for another.
         self.session.check_arguments(args, kwargs)
         tensors = _tensors((args, kwargs))
-        if len(tensors) > len(self.session.input_names):
-            self._refuse_unexported(kwargs)
+        unseen = [name for name, value in kwargs.items() if _tensors(value)]
+        if unseen and len(tensors) > len(self.session.input_names):
+            self._refuse_unexported(unseen)
         outputs = list(self.session(*tensors))
         for index in self.none_outputs:  # ascending: each goes back where it was
             outputs.insert(index, None)
         return pytree.tree_unflatten(outputs, self.output_spec)
 
-    def _refuse_unexported(self, kwargs: dict) -> None:
-        """A call with tensors the export never saw (an optional argument the test data
-        left out): the graph has no input for them, and would answer without them."""
+    def _refuse_unexported(self, unseen: list[str]) -> None:
+        """Keyword tensors the export never saw (an optional argument the test data left
+        out): the graph has no input for them, and would answer without them. (Too many
+        positional ones the session itself refuses.)"""
         from bladesmith.errors import BladesmithError
 
-        inputs = ", ".join(self.session.input_names)
-        unseen = [name for name, value in kwargs.items() if _tensors(value)]
-        if not unseen:
-            count = len(self.session.input_names)
-            raise BladesmithError(f"the model takes {count} tensor inputs ({inputs}); got more")
         raise BladesmithError(
             f"{', '.join(unseen)}: this ONNX model was exported from calls without "
-            f"{'it' if len(unseen) == 1 else 'them'} (its inputs: {inputs}); export it again "
-            "from such a call (bladesmith.optimize: test data that passes it)"
+            f"{'it' if len(unseen) == 1 else 'them'} (its inputs: "
+            f"{', '.join(self.session.input_names)}); export it again from such a call "
+            "(bladesmith.optimize: test data that passes it)"
         )
 
 
