@@ -121,3 +121,16 @@ def conv_net() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3)
     ).eval()
+
+
+class Flags(nn.Module):
+    """A Linear layer and a non-tensor argument, which traces and ONNX exports take as a
+    constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x, negate: bool):
+        y = self.linear(x)
+        return -y if negate else y

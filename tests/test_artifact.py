@@ -10,7 +10,7 @@ import bladesmith
 from bladesmith.config import Config
 from bladesmith.errors import BladesmithError
 from bladesmith.verify import compare_detections, detection_score_tolerance
-from engine_testing import cuda, optimized_tiny_detector, tiny_detector
+from engine_testing import Flags, cuda, optimized_tiny_detector, tiny_detector
 
 QUICK = Config(warmup=0, iters=1)
 
@@ -75,15 +75,6 @@ def test_onnx_round_trip_keeps_the_output_structure(tmp_path):
 
 
 def test_a_saved_onnx_refuses_other_values_of_arguments_held_as_constants(tmp_path):
-    class Flags(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = nn.Linear(4, 3)
-
-        def forward(self, x, negate: bool):
-            y = self.linear(x)
-            return -y if negate else y
-
     x = torch.randn(2, 4)
     model = Flags().eval()
     optimized, spec, _ = bladesmith.optimize(

@@ -15,6 +15,7 @@ from bladesmith.config import Config
 from bladesmith.errors import BladesmithError
 from bladesmith.families.base import DetectionFamily
 from bladesmith.passes import Candidate, Pass, PassSkipped
+from engine_testing import Flags
 
 # Sleeps make speed differences that no machine load can invert.
 SLOW_S = 0.03
@@ -590,16 +591,6 @@ def test_models_whose_calls_keep_their_state_are_not_refused():
     ):
         optimized, _, _ = bladesmith.optimize(model, device="cpu", test_data=[args], config=QUICK)
         torch.testing.assert_close(optimized(*args), model.eval()(*args))
-
-
-class Flags(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(4, 3)
-
-    def forward(self, x, negate: bool):
-        y = self.linear(x)
-        return -y if negate else y
 
 
 def test_non_tensor_arguments_refuse_a_traced_save_and_say_why(tmp_path):
