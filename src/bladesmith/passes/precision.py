@@ -15,6 +15,7 @@ autocast, so its ``.pt`` save runs in float32 (as accurate, not as fast).
 from __future__ import annotations
 
 import copy
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -123,9 +124,9 @@ class BFloat16(Float16):
 
 
 class _PartsInBFloat16(Pass):
-    """Some layers alone in bfloat16 (``wrap``: each converted and wrapped by
-    ``in_bfloat16``, in place), on CPUs that compute in it, where bf16 for the whole
-    model was not kept."""
+    """Some layers alone in bfloat16 (``parts``, each converted in place), on CPUs
+    that compute in it, where bf16 for the whole model was not kept; ``missing`` says
+    why a model without any is skipped."""
 
     levels = ("o1", "o2")
     devices = ("cpu",)
@@ -133,11 +134,13 @@ class _PartsInBFloat16(Pass):
     rewrites_modules = True
     refuses_formats = NO_ONNX_BF16
 
-    def absent(self, module: nn.Module) -> str | None:
-        """Why ``module`` has none of these layers, or None."""
+    missing: ClassVar[str]
+
+    def parts(self, module: nn.Module) -> list:
         raise NotImplementedError
 
-    def wrap(self, module: nn.Module) -> None:
+    def convert(self, part) -> None:
+        """One of ``parts`` in bfloat16, in place."""
         raise NotImplementedError
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
@@ -145,11 +148,12 @@ class _PartsInBFloat16(Pass):
             return NO_CPU_BF16
         if candidate.dtype != torch.float32:
             return f"the model already computes in {dtype_name(candidate.dtype)}"
-        return self.absent(candidate.module)
+        return None if self.parts(candidate.module) else self.missing
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
         module = copy.deepcopy(candidate.module)
-        self.wrap(module)
+        for part in self.parts(module):
+            self.convert(part)
         return candidate.with_module(module, self.name, dtype=torch.bfloat16)
 
 
@@ -163,15 +167,14 @@ class RoIHeadsBFloat16(_PartsInBFloat16):
     own heads, which it calls as layers."""
 
     name = "roi_heads_bf16"
+    missing = "the model has no RoI heads (a two-stage detector's)"
 
-    def absent(self, module: nn.Module) -> str | None:
-        if not _roi_heads(module):
-            return "the model has no RoI heads (a two-stage detector's)"
-        return None
+    def parts(self, module: nn.Module) -> list[tuple[nn.Module, str]]:
+        return _roi_heads(module)
 
-    def wrap(self, module: nn.Module) -> None:
-        for parent, name in _roi_heads(module):
-            setattr(parent, name, in_bfloat16(getattr(parent, name)))
+    def convert(self, part: tuple[nn.Module, str]) -> None:
+        parent, name = part
+        setattr(parent, name, in_bfloat16(getattr(parent, name)))
 
 
 # torchvision's RoIHeads: the layers it calls once per region (None when absent).
@@ -213,15 +216,13 @@ class LinearBFloat16(_PartsInBFloat16):
     the attention multiplies by its weight itself, with float32 activations."""
 
     name = "linear_bf16"
+    missing = "the model has no Linear layer (outside attention's out_proj)"
 
-    def absent(self, module: nn.Module) -> str | None:
-        if not _linear_layers(module):
-            return "the model has no Linear layer (outside attention's out_proj)"
-        return None
+    def parts(self, module: nn.Module) -> list[nn.Linear]:
+        return _linear_layers(module)
 
-    def wrap(self, module: nn.Module) -> None:
-        for layer in _linear_layers(module):
-            linear_in_bfloat16(layer)
+    def convert(self, part: nn.Linear) -> None:
+        linear_in_bfloat16(part)
 
 
 def _linear_layers(module: nn.Module) -> list[nn.Linear]:
