@@ -154,3 +154,39 @@ def test_detector_keeps_its_detections():
     noisy = [run[0] for run in reference_under_noise(model.eval(), [(photos,)])]
     result = compare_detections(adapted, folded, iou_threshold=0.99, min_f1=0.99, noisy=noisy)
     assert result.passed, result.summary()
+
+
+def test_folds_the_aten_calls_of_torchvision_models_given_as_torch_export_programs():
+    from torchvision.models import mobilenet_v3_small
+
+    for build in (resnet18, mobilenet_v3_small):
+        net = randomize_norms(build())
+        x = torch.randn(2, 3, 64, 64)
+        program = torch.export.export(net, (x,)).module()
+        norm_op = torch.ops.aten.batch_norm.default
+        norms = sum(node.target is norm_op for node in program.graph.nodes)
+        assert norms == sum(isinstance(m, nn.BatchNorm2d) for m in net.modules())
+        assert NormFolding().skip_reason(Candidate(program, CPU), context_for((x,))) is None
+        folded = folded_by_the_pass(program, x)
+        targets = [node.target for node in folded.graph.nodes]
+        assert norm_op not in targets, build.__name__
+        with torch.no_grad():
+            expected = net(x)
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(folded(x), expected, rtol=1e-4, atol=1e-5 * scale)
+        # The folded weights replace the old ones, which are gone, not kept beside them.
+        buffers = [name for name, _ in folded.named_buffers()]
+        assert not any(name.endswith(("running_mean", "running_var")) for name in buffers)
+        assert sum(p.numel() for p in folded.parameters()) < sum(
+            p.numel() for p in program.parameters()
+        )
+        torch.export.export(folded, (x,))  # still a program torch.export takes
+
+
+def test_an_exported_norm_with_batch_statistics_is_left():
+    net = randomize_norms(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
+    x = torch.randn(1, 3, 8, 8)
+    training = torch.export.export(net.train(), (x,)).module()
+    context = context_for((x,))
+    reason = NormFolding().skip_reason(Candidate(training, CPU), context)
+    assert reason == "the model has no convolution followed by a batch norm"

@@ -100,3 +100,16 @@ def test_an_eager_torchvision_detector_is_skipped_and_its_pipeline_is_not():
     assert "fixed_shape" in TorchScriptFreeze().skip_reason(eager, context)
     pipeline = FixedShape().apply(eager, context)
     assert TorchScriptFreeze().skip_reason(pipeline, context) is None
+
+
+def test_a_torch_export_program_is_traced_and_frozen():
+    from torchvision.models import resnet18
+
+    model = resnet18().eval()
+    x = torch.randn(1, 3, 32, 32)
+    program = torch.export.export(model, (x,)).module()  # refuses eval()
+    candidate = Candidate(module=program, device=torch.device("cpu"))
+    frozen = TorchScriptFreeze().apply(candidate, context_for((x,)))
+    assert frozen.backend == "torchscript"
+    with torch.no_grad():
+        torch.testing.assert_close(frozen(x), model(x), rtol=1e-4, atol=1e-4)

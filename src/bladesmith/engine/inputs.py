@@ -14,7 +14,7 @@ from torch import nn
 
 from bladesmith._files import contents, first_line, unreadable
 from bladesmith.devices import device_kind
-from bladesmith.runtimes.torchscript import quiet_torchscript
+from bladesmith.runtimes.torchscript import in_eval_mode, quiet_torchscript
 from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX
 
 
@@ -37,8 +37,7 @@ def working_copy(model, device: torch.device) -> tuple[nn.Module, dict]:
             "TorchScript" if isinstance(module, torch.jit.ScriptModule) else "torch.export program"
         )
     was_training = module.training
-    with contextlib.suppress(NotImplementedError):  # exported modules refuse eval()
-        module.eval()
+    in_eval_mode(module)
     tensors = [*module.parameters(), *module.buffers()]
     if any(tensor.device != device for tensor in tensors):
         module.to(device)

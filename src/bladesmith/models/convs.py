@@ -71,10 +71,24 @@ def fold_norm(conv: nn.Conv2d, norm: nn.Module | None) -> tuple[torch.Tensor, to
     """The weight and bias of ``conv`` followed by ``norm`` (a foldable one, or None), in
     the convolution's dtype; the arithmetic is float32 whatever that dtype is."""
     weight = conv.weight.detach()
-    dtype = weight.dtype
-    bias = conv.bias.detach() if conv.bias is not None else weight.new_zeros(conv.out_channels)
+    bias = conv.bias.detach() if conv.bias is not None else None
     if norm is None:
-        return weight, bias
-    scale = norm.weight.float() / torch.sqrt(norm.running_var.float() + norm.eps)
-    folded_bias = (bias.float() - norm.running_mean.float()) * scale + norm.bias.float()
-    return (weight.float() * scale.view(-1, 1, 1, 1)).to(dtype), folded_bias.to(dtype)
+        return weight, bias if bias is not None else weight.new_zeros(conv.out_channels)
+    return fold_affine(
+        weight, bias, norm.weight, norm.bias, norm.running_mean, norm.running_var, norm.eps
+    )
+
+
+def fold_affine(weight, bias, norm_weight, norm_bias, mean, var, eps: float):
+    """A convolution's (weight, bias) with the batch norm ``(x - mean) / sqrt(var + eps) *
+    norm_weight + norm_bias`` after it folded in, in the weight's dtype (the arithmetic is
+    float32). ``bias``, ``norm_weight`` and ``norm_bias`` may be None (absent)."""
+    dtype = weight.dtype
+    root = torch.sqrt(var.detach().float() + eps)
+    scale = (norm_weight.detach().float() if norm_weight is not None else 1.0) / root
+    shifted = -mean.detach().float() if bias is None else bias.detach().float() - mean.float()
+    folded_bias = shifted * scale
+    if norm_bias is not None:
+        folded_bias = folded_bias + norm_bias.detach().float()
+    folded_weight = weight.detach().float() * scale.view(-1, *[1] * (weight.dim() - 1))
+    return folded_weight.to(dtype), folded_bias.to(dtype)

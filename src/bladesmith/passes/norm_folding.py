@@ -14,6 +14,10 @@ in a hand-written block as well as an ``nn.Sequential``). A module that does not
 (data-dependent control flow, as in a detector's post-processing) is searched child by
 child: its traceable children through their graphs, its own direct children by structure
 (the next child of a container that runs them in order).
+
+A torch.export program has no modules to replace: its graph calls ATen's ``conv2d`` and
+``batch_norm`` on its own weights. There the folded weights replace the convolution's
+and the batch norm's call is removed (``exported_pairs``, ``fold_exported``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections import Counter
 import torch
 from torch import fx, nn
 
-from bladesmith.models.convs import fold_norm, is_foldable_norm, norm_after
+from bladesmith.models.convs import fold_affine, fold_norm, is_foldable_norm, norm_after
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
 
@@ -38,7 +42,7 @@ class NormFolding(Pass):
     devices = ("cpu",)
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
-        if not conv_norm_pairs(candidate.module):
+        if not conv_norm_pairs(candidate.module) and not exported_pairs(candidate.module):
             return "the model has no convolution followed by a batch norm"
         return None
 
@@ -49,7 +53,8 @@ class NormFolding(Pass):
             conv, norm = module.get_submodule(conv_name), module.get_submodule(norm_name)
             _replace(module, conv_name, folded(conv, norm))
             _replace(module, norm_name, nn.Identity())
-        context.notes.append(f"norm_folding: {len(pairs)} batch norms folded")
+        count = len(pairs) + fold_exported(module)
+        context.notes.append(f"norm_folding: {count} batch norms folded")
         return candidate.with_module(module, self.name)
 
 
@@ -137,3 +142,84 @@ def folded(conv: nn.Conv2d, norm: nn.Module) -> nn.Conv2d:
     result.weight = nn.Parameter(weight.contiguous(memory_format=torch.channels_last), False)
     result.bias = nn.Parameter(bias, False)
     return result
+
+
+_CONV2D = torch.ops.aten.conv2d.default
+_BATCH_NORM = torch.ops.aten.batch_norm.default
+
+
+def exported_pairs(module: nn.Module) -> list[tuple[fx.Node, fx.Node]]:
+    """(conv2d, batch_norm) ATen calls in a graph module's own graph (a torch.export
+    program's) where an inference batch norm is the only reader of the convolution's
+    output, and every weight they use is an attribute of the module that nothing else
+    reads."""
+    if not isinstance(module, fx.GraphModule):
+        return []
+    pairs = []
+    for conv in module.graph.nodes:
+        if conv.target is not _CONV2D or len(conv.users) != 1 or "bias" in conv.kwargs:
+            continue
+        (norm,) = conv.users
+        if norm.target is not _BATCH_NORM or norm.kwargs or norm.args[0] is not conv:
+            continue
+        _, norm_weight, norm_bias, mean, var, training = norm.args[:6]
+        if training:
+            continue
+        optional = [*conv.args[2:3], norm_weight, norm_bias]  # a bias or an affine map
+        required = [conv.args[1], mean, var]
+        if all(map(_own_attribute, required)) and all(
+            _own_attribute(each) for each in optional if each is not None
+        ):
+            pairs.append((conv, norm))
+    return pairs
+
+
+def _own_attribute(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "get_attr" and len(node.users) == 1
+
+
+def fold_exported(module: nn.Module) -> int:
+    """Fold each of ``exported_pairs(module)`` in place; how many were folded."""
+    pairs = exported_pairs(module)
+    graph = module.graph if pairs else None
+    for index, (conv, norm) in enumerate(pairs):
+        conv_weights = (conv.args[1], conv.args[2] if len(conv.args) > 2 else None)
+        weights = [_attribute(module, each) for each in (*conv_weights, *norm.args[1:5])]
+        weight, bias = fold_affine(*weights, eps=norm.args[7])
+        names = (f"_folded_{index}_weight", f"_folded_{index}_bias")
+        module.register_buffer(names[0], weight.contiguous(memory_format=torch.channels_last))
+        module.register_buffer(names[1], bias)
+        with graph.inserting_before(conv):
+            folded_args = tuple(graph.get_attr(name) for name in names)
+        conv.args = (conv.args[0], *folded_args, *conv.args[3:])
+        norm.replace_all_uses_with(conv)
+        graph.erase_node(norm)
+    if pairs:
+        _drop_unread_attributes(module)
+    return len(pairs)
+
+
+def _attribute(module: nn.Module, node) -> torch.Tensor | None:
+    if node is None:
+        return None
+    owner, _, name = node.target.rpartition(".")
+    return getattr(module.get_submodule(owner), name)
+
+
+def _drop_unread_attributes(module: fx.GraphModule) -> None:
+    """Remove the get_attr calls nothing reads and the weights they read: the
+    convolutions' and batch norms' own, now folded."""
+    graph = module.graph
+    unread = [n for n in graph.nodes if n.op == "get_attr" and not n.users]
+    for node in unread:
+        graph.erase_node(node)
+    read = {n.target for n in graph.nodes if n.op == "get_attr"}
+    for node in unread:
+        if node.target not in read:
+            parent, _, name = node.target.rpartition(".")
+            owner = module.get_submodule(parent)
+            if name in owner._parameters:
+                del owner._parameters[name]
+            else:
+                owner._buffers.pop(name, None)
+    module.recompile()

@@ -7,6 +7,7 @@ purpose: it is still the fastest Python-free form on small CPUs).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from contextlib import contextmanager
 
@@ -24,6 +25,14 @@ def quiet_torchscript():
         warnings.filterwarnings("ignore", category=FutureWarning, message=r".*torch\.jit")
         warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         yield
+
+
+def in_eval_mode(module: nn.Module) -> nn.Module:
+    """``module`` in eval mode. A torch.export program's module refuses ``eval()``: its
+    graph already holds the mode it was exported in."""
+    with contextlib.suppress(NotImplementedError):
+        module.eval()
+    return module
 
 
 def is_torchscript(module: nn.Module) -> bool:
@@ -46,7 +55,7 @@ def freeze(module: nn.Module, example_args: tuple) -> torch.jit.ScriptModule:
         if isinstance(module, torch.jit.ScriptModule):
             scripted = module
         else:
-            outputs = module.eval()(*example_args)
+            outputs = in_eval_mode(module)(*example_args)
             strict = contains_detections(outputs) or not _holds_dict(outputs)
             try:
                 scripted = torch.jit.trace(module, example_args, check_trace=False, strict=strict)
