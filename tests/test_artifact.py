@@ -92,6 +92,56 @@ def test_aoti_package_round_trip_on_cpu(tmp_path):
     loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt2"))
     torch.testing.assert_close(loaded(x), optimized(x), rtol=1e-4, atol=1e-5)
     assert loaded.spec.passes == spec.passes and loaded.device == torch.device("cpu")
+    # It would read past a smaller batch, drop rows of a larger one and misread other
+    # sizes or dtypes: each is refused in one line instead.
+    for other in (x[:1], torch.cat([x, x]), x[..., :6, :6], x.double()):
+        with pytest.raises(BladesmithError) as refused:
+            loaded(other)
+        message = str(refused.value)
+        assert "\n" not in message and "runs [2, 3, 8, 8] float32 only" in message
+        assert "AOTInductor compiled it for these shapes" in message
+
+
+class BatchBranch(nn.Module):
+    """Code that depends on the batch size: a trace keeps the branch its example took."""
+
+    def forward(self, x):
+        if x.size(0) > 1:
+            return x - x.mean(0, keepdim=True)
+        return x * 2
+
+
+def test_a_trace_that_keeps_its_batch_is_refused_at_others_and_one_that_follows_is_not(
+    tmp_path,
+):
+    x = torch.randn(1, 3)
+    optimized, _, _ = bladesmith.optimize(
+        BatchBranch(), device="cpu", test_data=[(x,)], config=QUICK, passes=[]
+    )
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "branch.pt"))
+    torch.testing.assert_close(loaded(x), x * 2)
+    with pytest.raises(BladesmithError, match=r"runs \[1, 3\] float32 only \(traced at these "):
+        loaded(torch.randn(3, 3))  # the trace would answer x * 2, silently
+    assert loaded.batch_fixed  # and serve keeps to its batch
+    net, _, batch = optimized_net()
+    free = bladesmith.load(bladesmith.save(net, tmp_path / "net.pt"))
+    assert not free.batch_fixed
+    more = torch.cat([batch, batch, batch[:1]])
+    torch.testing.assert_close(free(more), net(more), rtol=1e-4, atol=1e-5)
+    with pytest.raises(BladesmithError, match=r"runs \[B, 3, 8, 8\] float32 only"):
+        free(more[..., :7, :7])
+
+
+def test_a_float64_model_is_judged_and_described_in_float64():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    _, spec, _ = bladesmith.optimize(
+        model.double(), device="cpu", test_data=[(x,)], config=QUICK, passes=[]
+    )
+    assert spec.dtype == "float64"
+    assert spec.tolerance["why"].startswith("float64 outputs") and "2^-52" in spec.tolerance["why"]
+    assert spec.tolerance["atol"] < 1e-9  # float32's rounding would allow ~1e-6
 
 
 @cuda

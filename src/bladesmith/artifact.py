@@ -33,6 +33,7 @@ from bladesmith.devices import with_index
 from bladesmith.errors import BladesmithError, MissingFileError, NotAnArtifactError
 from bladesmith.families import Family, family_named
 from bladesmith.ops import libraries
+from bladesmith.runtimes.inputs import BuiltFor, Checked, follows_the_batch
 from bladesmith.runtimes.onnxruntime import cpu_runner, export_onnx
 from bladesmith.runtimes.torchscript import freeze, quiet_torchscript
 from bladesmith.spec import AOTI_SUFFIX, SAVE_FORMATS, TORCHSCRIPT_SUFFIX, Spec
@@ -71,10 +72,9 @@ class OptimizedModule(nn.Module):
     ):
         super().__init__()
         self._run = run
-        # Runs at its spec's batch only, unchecked: an AOTInductor package runs any input
-        # as the shapes it was compiled for (it checks them only under
-        # AOTI_RUNTIME_CHECK_INPUTS=1), so fewer rows would be read past.
-        self.batch_fixed = batch_fixed
+        # Runs at its spec's batch only (an AOTInductor package; a trace that keeps its
+        # example's batch): a loaded one refuses others (runtimes/inputs.py).
+        self.batch_fixed = bool(batch_fixed)
         self.device = torch.device(device)
         self._home = with_index(self.device)  # as tensors report it
         self.family = family
@@ -219,6 +219,8 @@ def write(optimized: OptimizedModule, path: Path, form: str = "", *, inductor_co
     metadata = _metadata(optimized)
     metadata["libraries"] = libraries.store(libraries.libraries_of(operators), path)
     if form == AOTI_SUFFIX:
+        why = "AOTInductor compiled it for these shapes"
+        metadata["inputs"] = BuiltFor.of(args, free_batch=False, why=why).to_dict()
         exported = torch.export.export(module, args, strict=False)
         configs = {
             **(inductor_configs or {}),
@@ -232,6 +234,11 @@ def write(optimized: OptimizedModule, path: Path, form: str = "", *, inductor_co
         )
     elif form == TORCHSCRIPT_SUFFIX:
         frozen = freeze(module, args)
+        free = follows_the_batch(frozen, module, args)
+        why = "traced at these sizes" + (
+            ", and checked at other batches" if free else "; at another batch it answers otherwise"
+        )
+        metadata["inputs"] = BuiltFor.of(args, free_batch=free, why=why).to_dict()
         extra = {_TORCHSCRIPT_EXTRA: json.dumps(metadata)}
         with quiet_torchscript():
             write_atomically(
@@ -336,13 +343,16 @@ def load(path: str | os.PathLike) -> OptimizedModule:
             "bladesmith.onnx.session)"
         )
     info = json.loads(metadata)
+    built_for = BuiltFor.from_dict(info["inputs"]) if "inputs" in info else None
+    if built_for is not None:
+        run = Checked(run, built_for, str(path))
     return OptimizedModule(
         run,
         device=info["device"],
         family=family_named(info["family"]) if info.get("family") else None,
         output=info["output"],
         spec=Spec.from_dict(info["spec"]),
-        batch_fixed=path.suffix == AOTI_SUFFIX,
+        batch_fixed=path.suffix == AOTI_SUFFIX or (built_for and not built_for.free_batch),
     )
 
 

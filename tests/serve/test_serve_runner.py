@@ -112,7 +112,7 @@ def test_an_artifact_that_runs_only_at_its_batch_keeps_one_bucket(net_artifacts,
 
 
 def test_an_aotinductor_package_is_not_tried_at_another_batch(tmp_path, capsys):
-    # It does not check its input shapes: at batch 1 it would read past the row given.
+    # It runs the shapes it was compiled for only: at batch 1 it is refused.
     from serve_testing import optimized_net
 
     loaded = bladesmith.load(bladesmith.save(optimized_net(), tmp_path / "net.pt2"))
@@ -120,8 +120,7 @@ def test_an_aotinductor_package_is_not_tried_at_another_batch(tmp_path, capsys):
     runner = BucketRunner(loaded)
     assert runner.buckets == (NET_BATCH,)
     assert capsys.readouterr().err == (
-        "bladesmith serve: batch buckets 4; not 1, 2: an AOTInductor package runs at its own "
-        "batch only\n"
+        "bladesmith serve: batch buckets 4; not 1, 2: the artifact runs at its own batch only\n"
     )
     x = rows(1, 32)
     [answer] = runner.answer([[x]])

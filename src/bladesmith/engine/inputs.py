@@ -52,6 +52,16 @@ def working_copy(model, device: torch.device) -> tuple[nn.Module, dict]:
     return module, info
 
 
+def model_dtype(module: nn.Module) -> torch.dtype:
+    """The floating-point dtype ``module`` computes in: its floating-point weights' (the
+    most common), float32 when it has none."""
+    counts: dict[torch.dtype, int] = {}
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
 def load_model_file(path) -> nn.Module:
     """The module in a TorchScript (.pt) or torch.export (.pt2) file, on the CPU. Any
     file that is not one raises a BladesmithError saying what the file is instead."""

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from bladesmith.config import Config
+from bladesmith.engine.inputs import model_dtype
 from bladesmith.errors import describe
 from bladesmith.passes.registry import Context
 from bladesmith.verify import (
@@ -74,15 +75,16 @@ class Reference:
 
     def __init__(self, outputs: list, model: nn.Module, context: Context, family=None):
         self.outputs, self.model, self.context, self.family = outputs, model, context, family
+        self.dtype = model_dtype(model)  # what the model as given computes in
         self.flips = family is not None or contains_detections(outputs)
         self._noisy: list | None = None
         self._floor: tuple[float, int, float] | None | bool = False  # False: not yet measured
         self._measured: dict[torch.dtype, NoiseTolerances | None] = {}
-        self.measured = None if context.config.atol is not None else self._measure()
+        self.measured = None if context.config.atol is not None else self._measure(self.dtype)
 
-    def _measure(self, dtype: torch.dtype = torch.float32) -> NoiseTolerances | None:
-        """The tolerances of outputs computed in ``dtype`` (float32, or a 16-bit type of
-        the precision passes), from the model under that arithmetic's rounding noise;
+    def _measure(self, dtype: torch.dtype) -> NoiseTolerances | None:
+        """The tolerances of outputs computed in ``dtype`` (the model's own, or a 16-bit
+        type of the precision passes), from the model under that arithmetic's rounding noise;
         None when it has no floating-point tensor output (detections are matched) or
         cannot be copied (the fixed default then applies, and a note says why)."""
         if dtype in self._measured:
@@ -91,9 +93,9 @@ class Reference:
         config, device = self.context.config, self.context.device
         result = None
         if outputs:
-            if dtype == torch.float32:
-                unit, unit_name = rounding_unit(device, self.model)
-                rtol, margin = default_tolerance(torch.float32)[0], NOISE_MARGIN
+            if dtype in (torch.float32, torch.float64):
+                unit, unit_name = rounding_unit(device, self.model, dtype)
+                rtol, margin = default_tolerance(dtype)[0], NOISE_MARGIN
             else:
                 unit, unit_name = half_unit(dtype), dtype_name(dtype)
                 rtol, margin = default_tolerance(dtype)[0], HALF_NOISE_MARGIN
@@ -121,12 +123,12 @@ class Reference:
         return result
 
     def _measured_for(self, dtype: torch.dtype) -> NoiseTolerances | None:
-        """The measured tolerances that judge outputs computed in ``dtype``: float32's
-        and, unless the outputs are detections (matched by their family's rules), the
-        16-bit types' (measured on first use); none where Config sets atol."""
+        """The measured tolerances that judge outputs computed in ``dtype``: the model's
+        own dtype's and, unless the outputs are detections (matched by their family's
+        rules), the 16-bit types' (measured on first use); none where Config sets atol."""
         if self.measured is None:
             return None
-        if dtype == torch.float32:
+        if dtype == self.dtype:
             return self.measured
         if dtype in (torch.float16, torch.bfloat16) and not self.flips:
             return self._measure(dtype)

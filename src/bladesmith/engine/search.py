@@ -36,6 +36,7 @@ from bladesmith.engine.inputs import (
     argument_tuples,
     device_argument,
     items_per_call,
+    model_dtype,
     to_device,
     working_copy,
 )
@@ -141,7 +142,7 @@ def optimize(
                 **timing,
             )
 
-    given = Candidate(module=working, device=device)
+    given = Candidate(module=working, device=device, dtype=model_dtype(working))
     best, best_run = given, finish(given)
     with progress.step("running the model as given"):
         with libraries.recording() as dispatched:

@@ -20,7 +20,8 @@ from torch.utils import _pytree as pytree
 
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
-from bladesmith.runtimes.onnxruntime import OnnxRunnerPerShape, follows_the_batch, onnx_runner
+from bladesmith.runtimes.inputs import follows_the_batch
+from bladesmith.runtimes.onnxruntime import OnnxRunnerPerShape, onnx_runner
 from bladesmith.spec import ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 
 

@@ -86,7 +86,7 @@ class Float16(Pass):
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if candidate.dtype != torch.float32:
-            return f"the model already computes in {dtype_name(candidate.dtype)}"
+            return f"the model computes in {dtype_name(candidate.dtype)}, not float32"
         if not any(p.is_floating_point() for p in candidate.module.parameters()):
             return "the model has no floating-point parameters"
         return None
@@ -147,7 +147,7 @@ class _PartsInBFloat16(Pass):
         if not cpu_has_bf16():
             return NO_CPU_BF16
         if candidate.dtype != torch.float32:
-            return f"the model already computes in {dtype_name(candidate.dtype)}"
+            return f"the model computes in {dtype_name(candidate.dtype)}, not float32"
         return None if self.parts(candidate.module) else self.missing
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.utils import _pytree as pytree
+
+from bladesmith.runtimes.inputs import tensors_in
 
 
 class OnnxRunner:
@@ -29,8 +30,8 @@ class OnnxRunner:
     def __call__(self, *args, **kwargs):
         # A bool or number the export held as a constant must not silently answer for another.
         self.session.check_arguments(args, kwargs)
-        tensors = _tensors((args, kwargs))
-        unseen = [name for name, value in kwargs.items() if _tensors(value)]
+        tensors = tensors_in((args, kwargs))
+        unseen = [name for name, value in kwargs.items() if tensors_in(value)]
         if unseen and len(tensors) > len(self.session.input_names):
             self._refuse_unexported(unseen)
         outputs = list(self.session(*tensors))
@@ -67,12 +68,8 @@ class OnnxRunnerPerShape:
         return self.runners[shapes](*args, **kwargs)
 
 
-def _tensors(tree) -> list[torch.Tensor]:
-    return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
-
-
 def _shapes(tree) -> tuple:
-    return tuple(tuple(tensor.shape) for tensor in _tensors(tree))
+    return tuple(tuple(tensor.shape) for tensor in tensors_in(tree))
 
 
 def export_onnx(
@@ -91,7 +88,7 @@ def export_onnx(
         leaves, output_spec = pytree.tree_flatten(module(*args))
     none_outputs = tuple(index for index, leaf in enumerate(leaves) if leaf is None)
     custom_ops = "domain" if importlib.util.find_spec("onnxruntime_extensions") else "standard"
-    tensors = _tensors(args)
+    tensors = tensors_in(args)
     names = [f"input_{index}" for index in range(len(tensors))]
     outputs = [leaf for leaf in leaves if leaf is not None]
     output_names = [f"output_{index}" for index in range(len(outputs))]
@@ -128,35 +125,3 @@ def onnx_runner(module, args: tuple, dynamic_batch: bool = True) -> OnnxRunner:
         path = Path(directory) / "model.onnx"
         output_spec, none_outputs = export_onnx(module, args, path, dynamic_batch=dynamic_batch)
         return cpu_runner(path, output_spec, none_outputs)
-
-
-def follows_the_batch(runner: Callable, module, args: tuple) -> bool:
-    """Whether ``runner`` gives ``module``'s outputs on a batch twice ``args``'s (the
-    items, then the same in reverse order): same structure and shapes, values within a
-    bound far wider than rounding and far tighter than what a graph that kept its
-    example's batch gives (it fails, or repeats the wrong items)."""
-    doubled = pytree.tree_map(
-        lambda x: torch.cat([x, x.flip(0)]) if isinstance(x, torch.Tensor) and x.dim() else x,
-        args,
-    )
-    try:
-        with torch.no_grad():
-            expected, structure = pytree.tree_flatten(module(*doubled))
-            got, got_structure = pytree.tree_flatten(runner(*doubled))
-    except Exception:  # ONNX Runtime refuses the shape: the export fixed it
-        return False
-    return structure == got_structure and all(
-        _close(want, have) for want, have in zip(expected, got, strict=True)
-    )
-
-
-def _close(want, have) -> bool:
-    if not isinstance(want, torch.Tensor):
-        return want == have
-    if not isinstance(have, torch.Tensor) or want.shape != have.shape:
-        return False
-    have = have.to(want)
-    if not want.is_floating_point():
-        return torch.equal(have, want)
-    scale = want.abs().max().item() if want.numel() else 0.0
-    return torch.allclose(have, want, rtol=1e-3, atol=1e-3 * scale)

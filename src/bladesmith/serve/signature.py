@@ -301,7 +301,7 @@ def random_rows(
 def _only_at_its_batch(module) -> str | None:
     """Why the artifact is not tried at other batches, or None."""
     if getattr(module, "batch_fixed", False):
-        return "an AOTInductor package runs at its own batch only"
+        return "the artifact runs at its own batch only"
     return None
 
 

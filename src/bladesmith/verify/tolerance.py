@@ -103,9 +103,14 @@ def half_unit(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
-def rounding_unit(device: torch.device, model: torch.nn.Module) -> tuple[float, str]:
-    """The relative rounding of the float32 arithmetic ``model`` runs in on ``device``,
-    and its name: TF32's where cuDNN may run its convolutions (or matmuls) in TF32."""
+def rounding_unit(
+    device: torch.device, model: torch.nn.Module, dtype: torch.dtype = torch.float32
+) -> tuple[float, str]:
+    """The relative rounding of the ``dtype`` (float32 or float64) arithmetic ``model``
+    runs in on ``device``, and its name: TF32's where cuDNN may run float32 convolutions
+    (or matmuls) in TF32."""
+    if dtype == torch.float64:
+        return torch.finfo(dtype).eps, "float64 (2^-52 of each)"
     if device.type == "cuda":
         convolutions = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
         if (convolutions and torch.backends.cudnn.allow_tf32) or (

@@ -1,0 +1,151 @@
+"""What a saved runner takes, checked at every call.
+
+An AOTInductor package runs any input as the shapes and dtypes it was compiled for (it
+checks them only under AOTI_RUNTIME_CHECK_INPUTS=1), and a trace can keep its example's
+batch (``if x.size(0) > 1:`` is recorded as the branch the example took): either answers
+a call of another shape with rows read past the input, or computed for another batch.
+A loaded artifact therefore records what it was built for (``BuiltFor``) and refuses
+anything else in one line (``Checked``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+from bladesmith.errors import BladesmithError
+
+
+def tensors_in(tree) -> list[torch.Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class BuiltFor:
+    """The tensor inputs a runner was built for: their shapes and dtypes, and whether
+    the first dimension of each may take any size (checked, ``follows_the_batch``)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    free_batch: bool
+    why: str  # why other inputs are refused, for the message
+
+    @classmethod
+    def of(cls, args, *, free_batch: bool, why: str) -> BuiltFor:
+        tensors = tensors_in(args)
+        return cls(
+            tuple(tuple(x.shape) for x in tensors),
+            tuple(_dtype_name(x.dtype) for x in tensors),
+            free_batch and all(x.dim() for x in tensors),
+            why,
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> BuiltFor:
+        shapes = tuple(tuple(shape) for shape in data["shapes"])
+        return cls(shapes, tuple(data["dtypes"]), data["free_batch"], data["why"])
+
+    def to_dict(self) -> dict:
+        return {
+            "shapes": [list(shape) for shape in self.shapes],
+            "dtypes": list(self.dtypes),
+            "free_batch": self.free_batch,
+            "why": self.why,
+        }
+
+    def fits(self, shape: tuple[int, ...], built: tuple[int, ...]) -> bool:
+        if self.free_batch and len(shape) == len(built) and shape:
+            return shape[1:] == built[1:]
+        return shape == built
+
+    def problem(self, args, kwargs) -> str | None:
+        """Why a call with these arguments cannot run, or None."""
+        tensors = tensors_in((args, kwargs))
+        got = [(tuple(x.shape), _dtype_name(x.dtype)) for x in tensors]
+        if len(got) == len(self.shapes) and all(
+            self.fits(shape, built) and dtype == want
+            for (shape, dtype), built, want in zip(got, self.shapes, self.dtypes)
+        ):
+            return None
+        return (
+            f"got {_describe(got)}, but this artifact runs {self.describe()} only ({self.why}): "
+            "pass inputs like those, or optimize with test data like yours and save again"
+        )
+
+    def describe(self) -> str:
+        shapes = [
+            ("B", *shape[1:]) if self.free_batch else shape for shape in self.shapes
+        ]  # B: any batch
+        return _describe(list(zip(shapes, self.dtypes)))
+
+
+def _describe(tensors: list[tuple[tuple, str]]) -> str:
+    if not tensors:
+        return "no tensor"
+    return ", ".join(f"[{', '.join(map(str, shape))}] {dtype}" for shape, dtype in tensors)
+
+
+class Checked:
+    """``run``, refusing in one line (naming ``source``) any call that ``built_for``
+    does not describe."""
+
+    def __init__(self, run: Callable, built_for: BuiltFor, source: str):
+        self.run = run
+        self.built_for = built_for
+        self.source = source
+
+    def __call__(self, *args, **kwargs):
+        problem = self.built_for.problem(args, kwargs)
+        if problem is not None:
+            raise BladesmithError(f"{self.source}: {problem}")
+        return self.run(*args, **kwargs)
+
+
+def follows_the_batch(runner: Callable, module, args: tuple) -> bool:
+    """Whether ``runner`` gives ``module``'s outputs at other batch sizes than
+    ``args``'s: twice its items (then the same in reverse order) and, where it has more
+    than one, its first item alone. Same structure and shapes, values within a bound far
+    wider than rounding and far tighter than what a graph that kept its example's batch
+    gives (it fails, repeats the wrong items, or took another branch)."""
+    batches = [_rows(args, lambda x: torch.cat([x, x.flip(0)]))]
+    tensors = tensors_in(args)
+    if tensors and all(x.dim() and x.shape[0] > 1 for x in tensors):
+        batches.append(_rows(args, lambda x: x[:1]))
+    return all(_same_outputs(runner, module, batch) for batch in batches)
+
+
+def _rows(args: tuple, change) -> tuple:
+    return pytree.tree_map(
+        lambda x: change(x) if isinstance(x, torch.Tensor) and x.dim() else x, args
+    )
+
+
+def _same_outputs(runner: Callable, module, args: tuple) -> bool:
+    try:
+        with torch.no_grad():
+            expected, structure = pytree.tree_flatten(module(*args))
+            got, got_structure = pytree.tree_flatten(runner(*args))
+    except Exception:  # the runner refuses the shape: its build fixed it
+        return False
+    return structure == got_structure and all(
+        _close(want, have) for want, have in zip(expected, got, strict=True)
+    )
+
+
+def _close(want, have) -> bool:
+    if not isinstance(want, torch.Tensor):
+        return want == have
+    if not isinstance(have, torch.Tensor) or want.shape != have.shape:
+        return False
+    have = have.to(want)
+    if not want.is_floating_point():
+        return torch.equal(have, want)
+    scale = want.abs().max().item() if want.numel() else 0.0
+    return torch.allclose(have, want, rtol=1e-3, atol=1e-3 * scale)
