@@ -199,6 +199,71 @@ def sliced_shape_floor_division():
     )
 
 
+def float_reshape_in_if(dims=(2, 3)):
+    """Shape -> Cast(float) -> Floor -> Cast(int64) -> Reshape inside an If's then-branch."""
+    then_branch = h.make_graph(
+        [
+            h.make_node("Shape", ["x"], ["s"], name="shape"),
+            h.make_node("Cast", ["s"], ["sf"], name="cast_f", to=FLOAT),
+            h.make_node("Floor", ["sf"], ["sr"], name="floor"),
+            h.make_node("Cast", ["sr"], ["si"], name="cast_i", to=INT64),
+            h.make_node("Reshape", ["x", "si"], ["t"], name="reshape"),
+        ],
+        "then",
+        [],
+        [h.make_tensor_value_info("t", FLOAT, dims)],
+    )
+    else_branch = h.make_graph(
+        [h.make_node("Identity", ["x"], ["e"], name="same")],
+        "else",
+        [],
+        [h.make_tensor_value_info("e", FLOAT, dims)],
+    )
+    branch = h.make_node(
+        "If", ["c"], ["y"], name="if", then_branch=then_branch, else_branch=else_branch
+    )
+    return model(
+        [branch],
+        [
+            h.make_tensor_value_info("x", FLOAT, dims),
+            h.make_tensor_value_info("c", onnx.TensorProto.BOOL, []),
+        ],
+        [h.make_tensor_value_info("y", FLOAT, dims)],
+    )
+
+
+def nonzero_in_loop():
+    """A Loop whose body counts the nonzero elements of x with NonZero."""
+    body = h.make_graph(
+        [
+            h.make_node("Identity", ["cond"], ["cond_out"], name="keep_going"),
+            h.make_node("NonZero", ["v"], ["nz"], name="nonzero"),
+            h.make_node("Identity", ["v"], ["v_out"], name="carry"),
+            h.make_node("ReduceSum", ["nz"], ["count"], name="count", keepdims=0),
+        ],
+        "body",
+        [
+            h.make_tensor_value_info("i", INT64, []),
+            h.make_tensor_value_info("cond", onnx.TensorProto.BOOL, []),
+            h.make_tensor_value_info("v", FLOAT, [4]),
+        ],
+        [
+            h.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []),
+            h.make_tensor_value_info("v_out", FLOAT, [4]),
+            h.make_tensor_value_info("count", INT64, []),
+        ],
+    )
+    loop = h.make_node("Loop", ["n", "", "x"], ["x_out", "counts"], name="loop", body=body)
+    return model(
+        [loop],
+        [h.make_tensor_value_info("n", INT64, []), h.make_tensor_value_info("x", FLOAT, [4])],
+        [
+            h.make_tensor_value_info("x_out", FLOAT, [4]),
+            h.make_tensor_value_info("counts", INT64, ["k"]),
+        ],
+    )
+
+
 def exit_code(argv: list[str]) -> int:
     """main's exit code, whether the command returns it or argparse stops at an argument
     (a file to read that is missing or empty is refused there)."""

@@ -137,6 +137,15 @@ def test_zero_size_dimensions():
     assert data_dependent.node == "unique"
 
 
+def test_shape_and_zero_size_rules_read_if_and_loop_bodies():
+    (flow,) = found(
+        check(models.float_reshape_in_if(), "tensorrt"), "float-shape-arithmetic", "tensorrt"
+    )
+    assert (flow.node, flow.severity, flow.related) == ("reshape", "error", ("cast_f", "floor"))
+    (zero,) = found(check(models.nonzero_in_loop(), "directml"), "zero-size-dim", "directml")
+    assert zero.node == "nonzero" and "NonZero" in zero.message
+
+
 def test_a_clean_model_has_no_findings_and_findings_serialise(tmp_path):
     import onnx
 

@@ -131,6 +131,20 @@ def test_inexact_float_arithmetic_is_left_alone_and_still_reported(tmp_path):
     assert not result.passed
 
 
+def test_a_chain_whose_last_cast_is_inside_an_if_body_is_left_as_it_was(tmp_path):
+    """fix does not rewrite bodies: Shape -> Cast(float) -> Floor in the main graph, read
+    by the Cast(int64) of an If's branch, stays, and the rest of the fix goes on."""
+    model = models.float_reshape_in_if(dims=("n", 3))
+    then_branch = next(a.g for a in model.graph.node[0].attribute if a.name == "then_branch")
+    outer = list(then_branch.node[:3])  # shape, cast_f, floor
+    del then_branch.node[:3]
+    for index, node in enumerate(outer):
+        model.graph.node.insert(index, node)
+    result = fix(save(model, tmp_path), tmp_path / "out.onnx", "tensorrt")
+    assert result.applied == []  # not even a skipped rewrite
+    assert [f.node for f in result.remaining if f.rule == "float-shape-arithmetic"] == ["reshape"]
+
+
 def test_a_sliced_shape_divided_then_floored_becomes_integer_division(tmp_path):
     original = models.sliced_shape_floor_division()
     out = tmp_path / "out.onnx"

@@ -393,7 +393,8 @@ def _separate_chains(model: onnx.ModelProto) -> None:
     view = GraphView(model)
     for cast in list(graph.node):
         readers = view.consumers.get(cast.output[0], []) if cast.op_type == "Cast" else []
-        readers = list({id(reader): reader for reader in readers}.values())  # Mul(c, c)
+        # One per node (Mul(c, c) reads it twice); a body's reader keeps the original.
+        readers = list({id(r): r for r in readers if view.in_main_graph(r)}.values())
         if (
             len(readers) < 2
             or cast.output[0] in graph_outputs
@@ -516,10 +517,9 @@ def _integer_chain(view: GraphView, cast: onnx.NodeProto):
     steps: list[_Step] = []
     current = cast.output[0]
     while True:
-        consumers = view.consumers.get(current, [])
-        if len(consumers) != 1 or current in view.graph_output_names:
+        node = _single_consumer(view, current)
+        if node is None:
             return None
-        node = consumers[0]
         if node.op_type == "Cast" and attribute(node, "to") == float_type:
             steps.append(_Step("Identity", None, (node,)))  # float to the same float
         elif node.op_type == "Cast":
@@ -619,8 +619,14 @@ def _integer_operand(view: GraphView, node: onnx.NodeProto, current: str):
 
 
 def _single_consumer(view: GraphView, tensor: str) -> onnx.NodeProto | None:
+    """The one node reading `tensor`, None when it is read by several, returned by the
+    graph or read inside an If/Loop/Scan body (which fix does not rewrite)."""
     consumers = view.consumers.get(tensor, [])
-    if len(consumers) != 1 or tensor in view.graph_output_names:
+    if (
+        len(consumers) != 1
+        or tensor in view.graph_output_names
+        or not view.in_main_graph(consumers[0])
+    ):
         return None
     return consumers[0]
 

@@ -63,7 +63,7 @@ def zero_size_dims(view: GraphView, target: Target) -> list[Finding]:
                     f"tensor '{tensor}' has shape {shape}: it is empty",
                 )
             )
-    for node in view.nodes:
+    for node in view.all_nodes():
         if node.op_type in DATA_DEPENDENT_SIZE:
             findings.append(
                 _zero_finding(
