@@ -135,12 +135,12 @@ def _run_fix(args) -> int:
 
 def _op_types(model) -> dict[str, str]:
     """Node label (as findings name nodes) -> operator type."""
-    from bladesmith.onnx.rules.graph import GraphView
+    from bladesmith.onnx.checker import graph_view
     from bladesmith.onnx.rules.validity import invalid_graph
 
     if invalid_graph(model):
         return {}
-    view = GraphView(model)
+    view = graph_view(model)
     return {view.label(node): node.op_type for node in view.all_nodes()}
 
 

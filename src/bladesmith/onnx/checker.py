@@ -22,7 +22,7 @@ from bladesmith.onnx.rules.graph import GraphView
 from bladesmith.onnx.rules.validity import invalid_graph
 from bladesmith.onnx.targets import Target, resolve_targets
 
-__all__ = ["Finding", "NotAModelError", "check", "has_errors", "load_model"]
+__all__ = ["Finding", "NotAModelError", "check", "graph_view", "has_errors", "load_model"]
 
 
 def check(
@@ -36,12 +36,26 @@ def check(
     invalid = invalid_graph(model)
     if invalid:
         return invalid
-    view = GraphView(model)
+    view = graph_view(model)
     findings = []
     for target in resolved:
         found = [finding for rule in RULES for finding in rule(view, target)]
         findings.extend(sorted(found, key=lambda f: SEVERITIES.index(f.severity)))
     return findings
+
+
+def graph_view(model: onnx.ModelProto) -> GraphView:
+    """What the rules read: the model with its local functions (model.functions, as torch
+    writes for export_modules_as_functions) inlined, as ONNX Runtime runs them, so the
+    operators in their bodies are judged and findings name those nodes, not the calls."""
+    if not model.functions:
+        return GraphView(model)
+    import onnx.inliner
+
+    try:
+        return GraphView(onnx.inliner.inline_local_functions(model))
+    except Exception:  # onnx's C++ inliner raises plain RuntimeErrors/ValueErrors
+        return GraphView(model)  # judged as written: its calls as custom operators
 
 
 def has_errors(findings: Iterable[Finding]) -> bool:
