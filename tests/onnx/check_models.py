@@ -172,6 +172,41 @@ def empty_tensor():
     )
 
 
+def empty_placeholders():
+    """What torch exports at opset 11 for interpolate(size=...): Resize with empty
+    Constant tensors for its unused roi and scales; and the shape of a 0-D tensor, empty
+    as a shape vector is for a scalar, fed to ConstantOfShape."""
+    empty = onnx.numpy_helper.from_array(np.zeros(0, np.float32))
+    nodes = [
+        h.make_node("Constant", [], ["roi"], name="roi", value=empty),
+        h.make_node("Constant", [], ["scales"], name="scales", value=empty),
+        h.make_node("Resize", ["x", "roi", "scales", "sizes"], ["y"], name="resize"),
+        h.make_node("Shape", ["t"], ["scalar_shape"], name="shape"),
+        h.make_node("ConstantOfShape", ["scalar_shape"], ["z"], name="fill"),
+    ]
+    return model(
+        nodes,
+        [image_input(static=True), h.make_tensor_value_info("t", FLOAT, [])],
+        [
+            h.make_tensor_value_info("y", FLOAT, [1, 3, 16, 16]),
+            h.make_tensor_value_info("z", FLOAT, []),
+        ],
+        [const("sizes", [1, 3, 16, 16], np.int64)],
+        opset=11,
+    )
+
+
+def sliced_empty():
+    """x[2:2], an empty slice of the data."""
+    nodes = [h.make_node("Slice", ["x", "start", "start"], ["y"], name="slice")]
+    return model(
+        nodes,
+        [h.make_tensor_value_info("x", FLOAT, [4])],
+        [h.make_tensor_value_info("y", FLOAT, [0])],
+        [const("start", [2], np.int64)],
+    )
+
+
 def sliced_shape_floor_division():
     """x.shape[2:] // 2 as exporters write it in floats: Shape -> Slice(2:) -> Cast(float)
     -> Div(2) -> Floor -> Cast(int64), the spatial sizes of a Resize."""
