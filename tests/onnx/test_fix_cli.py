@@ -40,6 +40,21 @@ def test_files_that_are_not_models_exit_2_and_write_nothing(content, tmp_path, c
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["check", "fix"])
+def test_a_missing_external_data_file_is_named_in_one_line(command, tmp_path, capsys):
+    source = tmp_path / "model.onnx"
+    onnx.save(models.float_resize_sizes(static=True), source, save_as_external_data=True,
+              location="model.weights", size_threshold=0)  # fmt: skip
+    (tmp_path / "model.weights").unlink()
+    out = tmp_path / "out.onnx"
+    argv = [command, str(source), *([str(out)] if command == "fix" else []), "-t", "ort-cpu"]
+    assert main(argv) == 2
+    error = one_line_error(capsys)
+    assert "external data file 'model.weights' is missing" in error and str(tmp_path) in error
+    assert "export" not in error
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("name", sorted(INVALID))
 def test_invalid_graphs_exit_2_and_write_nothing(name, tmp_path, capsys):
     source = save(INVALID[name][0](), tmp_path / "in.onnx")
