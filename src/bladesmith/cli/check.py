@@ -98,7 +98,7 @@ def _run_check(args) -> int:
 
 
 def _run_fix(args) -> int:
-    from bladesmith.onnx.checker import NotAModelError, load_model
+    from bladesmith.onnx.checker import NotAModelError, has_errors, load_model
     from bladesmith.onnx.fixer import FixError, InvalidInputError, fix
     from bladesmith.onnx.targets import UnknownTargetError
 
@@ -128,9 +128,9 @@ def _run_fix(args) -> int:
         print(f"verification: {verification.status}{reason}")
         _print_findings(result.remaining, _op_types(load_model(result.output_path)))
         print(f"wrote {result.output_path}; {len(result.remaining)} findings remain")
-    if not result.passed:
-        return 1
-    return UNVERIFIED if result.verification.status == "unverified" else 0
+    if result.passed:
+        return 0
+    return 1 if has_errors(result.remaining) else UNVERIFIED
 
 
 def _op_types(model) -> dict[str, str]:

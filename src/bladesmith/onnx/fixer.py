@@ -33,7 +33,7 @@ import onnx
 
 from bladesmith._files import write_atomically
 from bladesmith.errors import BladesmithError
-from bladesmith.onnx.checker import Finding, check, load_model
+from bladesmith.onnx.checker import Finding, check, has_errors, load_model
 from bladesmith.onnx.rules.graph import FLOAT_TYPES, GraphView, attribute
 from bladesmith.onnx.rules.opset import opset_range
 from bladesmith.onnx.rules.validity import invalid_graph
@@ -82,10 +82,10 @@ class FixResult:
 
     @property
     def passed(self) -> bool:
-        """No errors remain and the outputs were not found to differ."""
-        return self.verification.status != "failed" and not any(
-            finding.severity == "error" for finding in self.remaining
-        )
+        """No errors remain and the outputs were compared equal, or no comparison was asked
+        for: what `bladesmith fix` exits 0 for. False when they could not be compared
+        ("unverified", exit 3) or errors remain (exit 1)."""
+        return self.verification.status in ("passed", "skipped") and not has_errors(self.remaining)
 
     def to_dict(self) -> dict:
         return {
