@@ -161,6 +161,33 @@ def test_a_sliced_shape_divided_then_floored_becomes_integer_division(tmp_path):
         np.testing.assert_array_equal(actual[0], expected[0])
 
 
+def without_shape(values, name):
+    next(v for v in values if v.name == name).type.tensor_type.ClearField("shape")
+
+
+def test_an_output_without_a_shape_gets_the_inferred_one_and_the_fix_goes_on(tmp_path):
+    """onnx's checker refuses a graph output without a shape (ONNX Runtime runs it), so
+    every rewrite of such a model was refused by the checker."""
+    model = models.float_resize_sizes()
+    without_shape(model.graph.output, "y")
+    out = tmp_path / "out.onnx"
+    result = fix(save(model, tmp_path), out, "tensorrt")
+    assert [r.kind for r in result.applied][:2] == ["output-shapes", "integer-shape-arithmetic"]
+    assert "y (rank 4)" in result.applied[0].detail
+    assert not any(f.rule == "float-shape-arithmetic" for f in result.remaining)
+    assert len(onnx.load(out).graph.output[0].type.tensor_type.shape.dim) == 4
+
+
+@pytest.mark.parametrize("where", ["input", "output"])
+def test_a_shape_fix_cannot_declare_is_refused_naming_the_value(where, tmp_path):
+    model = models.plugin_feeds_reshape()  # a plugin's output: onnx infers nothing for y
+    without_shape(getattr(model.graph, where), "x" if where == "input" else "y")
+    out = tmp_path / "out.onnx"
+    with pytest.raises(InvalidInputError, match=f"graph {where} '[xy]' declares no shape"):
+        fix(save(model, tmp_path), out, "tensorrt")
+    assert not out.exists()
+
+
 def test_opset_is_converted_down_to_the_directml_ceiling(tmp_path):
     out = tmp_path / "out.onnx"
     result = fix(save(models.reduce_mean(21), tmp_path), out, "directml")

@@ -7,7 +7,8 @@ again and confirm in ONNX Runtime that its outputs did not change.
 
 Steps, in order, each kept only when onnx's checker accepts its result and the model's
 interface is unchanged: the same inputs and outputs, in order, with the same names,
-element types and ranks (else skipped, with the reason in `applied`):
+element types and ranks (else skipped, with the reason in `applied`), after graph
+outputs without a shape got the one onnx infers (the checker requires one):
 1. fold constant subgraphs with onnxslim (shape arithmetic on static shapes disappears;
    `input_shapes` makes dynamic inputs static first);
 2. rewrite what is left of float shape arithmetic as integer arithmetic, where that is
@@ -18,7 +19,8 @@ element types and ranks (else skipped, with the reason in `applied`):
    the model (one atomic write), and check it again.
 
 Failures are FixError, one line each, with nothing written: InvalidInputError for an
-input that is not a valid graph or an output that cannot be written.
+input that is not a valid graph or that onnx's checker refuses, or an output that cannot
+be written.
 """
 
 from __future__ import annotations
@@ -131,7 +133,8 @@ def fix(
     before = check(original, resolved)
 
     applied: list[Rewrite] = []
-    model = _step("constant-fold", lambda m: _fold_constants(m, shapes, applied), original, applied)
+    model = _checkable(original, in_path, applied)
+    model = _step("constant-fold", lambda m: _fold_constants(m, shapes, applied), model, applied)
     model = _step("integer-shape-arithmetic", lambda m: _integer_shape_arithmetic(m, applied),
                   model, applied)  # fmt: skip
     model = _step("unused-initializers", lambda m: _drop_unused_initializers(m, applied), model,
@@ -199,9 +202,78 @@ def _step(kind: str, rewrite, model: onnx.ModelProto, applied: list[Rewrite]) ->
         _same_interface(model, result)
     except Exception as error:  # onnxslim, the converter and the checker raise many types
         del applied[count:]
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        applied.append(Rewrite(kind, (), f"skipped: {reason[:300]}"))
+        applied.append(Rewrite(kind, (), f"skipped: {_first_line(error)}"))
         return model
+    return result
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def _checkable(
+    model: onnx.ModelProto, in_path: str | Path, applied: list[Rewrite]
+) -> onnx.ModelProto:
+    """`model` as onnx's checker accepts it, since every rewrite's result must pass the
+    checker: graph outputs that declare no shape, which ONNX Runtime runs but the checker
+    refuses, get the one onnx's shape inference finds (a copy; said in `applied`).
+    InvalidInputError, naming the value, when the checker still rejects it."""
+    unshaped = [value.name for value in _unshaped(model.graph.input)]
+    if unshaped:
+        raise InvalidInputError(
+            f"{in_path}: graph input {unshaped[0]!r} declares no shape, not even its rank, "
+            "which onnx's checker requires of every model fix writes; declare it in the model"
+        )
+    if _unshaped(model.graph.output):
+        model = _with_inferred_output_shapes(model, applied)
+    unshaped = [value.name for value in _unshaped(model.graph.output)]
+    if unshaped:
+        raise InvalidInputError(
+            f"{in_path}: graph output {unshaped[0]!r} declares no shape and onnx's shape "
+            "inference finds none, and onnx's checker requires one of every model fix "
+            "writes; declare its rank in the model"
+        )
+    try:
+        onnx.checker.check_model(model)
+    except (onnx.checker.ValidationError, ValueError) as error:  # ValueError: over 2 GiB
+        raise InvalidInputError(
+            f"{in_path}: onnx's checker rejects the model ({_first_line(error)}), and fix "
+            "keeps only rewrites the checker accepts; correct the model or export it again"
+        ) from None
+    return model
+
+
+def _unshaped(values) -> list[onnx.ValueInfoProto]:
+    """The tensors among `values` that declare no shape (their rank unknown)."""
+    return [
+        value
+        for value in values
+        if value.type.HasField("tensor_type") and not value.type.tensor_type.HasField("shape")
+    ]
+
+
+def _with_inferred_output_shapes(model: onnx.ModelProto, applied: list[Rewrite]) -> onnx.ModelProto:
+    """A copy of `model` whose shapeless graph outputs declare what onnx infers."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    by_name = {value.name: value for value in inferred.graph.output}
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    declared = []
+    for value in _unshaped(result.graph.output):
+        found = by_name[value.name].type.tensor_type
+        if found.HasField("shape"):
+            value.type.tensor_type.shape.CopyFrom(found.shape)
+            declared.append(f"{value.name} (rank {len(found.shape.dim)})")
+    if declared:
+        applied.append(
+            Rewrite(
+                "output-shapes",
+                (),
+                f"declared the shapes onnx infers for outputs {', '.join(declared)}: onnx's "
+                "checker requires them, ONNX Runtime does not",
+            )
+        )
     return result
 
 
