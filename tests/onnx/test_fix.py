@@ -188,6 +188,16 @@ def test_a_shape_fix_cannot_declare_is_refused_naming_the_value(where, tmp_path)
     assert not out.exists()
 
 
+def test_an_input_without_a_shape_takes_the_one_given(tmp_path):
+    model = models.relu()
+    without_shape(model.graph.input, "x")
+    source, out = save(model, tmp_path), tmp_path / "out.onnx"
+    with pytest.raises(InvalidInputError, match="give it with --input-shape x:D0,D1"):
+        fix(source, out, "ort-cpu")
+    result = fix(source, out, "ort-cpu", input_shapes={"x": [1, 3, 8, 8]})
+    assert result.verification.status == "passed"
+
+
 def test_opset_is_converted_down_to_the_directml_ceiling(tmp_path):
     out = tmp_path / "out.onnx"
     result = fix(save(models.reduce_mean(21), tmp_path), out, "directml")
@@ -253,6 +263,8 @@ def test_reduce_mean_18_converts_down_for_tensorrt8(tmp_path):
         ([1, 3, 6, 10, 1], "has 5 dimensions"),
         ([1, 3, 0, 10], "every dimension must be >= 1"),
         ([2, 3, 6, 10], "changes static dimension 0"),
+        ([1, 3, 6, 10**20], "beyond int64"),
+        ([1, 3, 2**31, 2**31], "beyond int64"),  # each fits, not their product
     ],
 )
 def test_input_shapes_that_do_not_fit_the_input_are_refused(tmp_path, dims, words):
@@ -264,6 +276,45 @@ def test_input_shapes_that_do_not_fit_the_input_are_refused(tmp_path, dims, word
         fix(source, out, "ort-cpu", input_shapes={"x": dims})
     assert words in str(raised.value) and "--input-shape" in str(raised.value)
     assert not out.exists()
+
+
+def one_node(node, output_shape):
+    """`node` reading x of shape [1, L], with constants c: [-1, 2] and i: 5."""
+    return models.model(
+        [node],
+        [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, "L"])],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, output_shape)],
+        [models.const("c", [-1, 2], np.int64), models.const("i", 5, np.int64)],
+    )
+
+
+RESHAPE_INTO_PAIRS = (h.make_node("Reshape", ["x", "c"], ["y"]), [None, 2])
+GATHER_FIFTH = (h.make_node("Gather", ["x", "i"], ["y"], axis=1), [1])
+
+
+@pytest.mark.parametrize(
+    ("case", "length", "verify", "words"),
+    [  # 7 elements into pairs: onnx's strict inference says so once the shape is static
+        (RESHAPE_INTO_PAIRS, 7, True, "strict shape"),
+        (RESHAPE_INTO_PAIRS, 7, False, "strict shape"),
+        (GATHER_FIFTH, 3, True, "ONNX Runtime CPU"),  # element 5 of 3: only a run shows it
+    ],
+)
+def test_a_shape_the_model_cannot_run_at_is_refused(case, length, verify, words, tmp_path):
+    out = tmp_path / "out.onnx"
+    source = save(one_node(*case), tmp_path)
+    with pytest.raises(InvalidInputError, match="cannot run at this shape") as raised:
+        fix(source, out, "ort-cpu", input_shapes={"x": [1, length]}, verify=verify)
+    assert f"--input-shape) x:1,{length}" in str(raised.value) and words in str(raised.value)
+    assert not out.exists()
+    fix(source, out, "ort-cpu", input_shapes={"x": [1, 8]}, verify=verify)  # one it runs at
+
+
+def test_inputs_too_large_to_make_leave_the_fix_unverified(tmp_path):
+    result = fix(save(models.relu(static=False), tmp_path), tmp_path / "out.onnx", "ort-cpu",
+                 input_shapes={"x": [2**40, 3, 8, 8]})  # fmt: skip
+    assert result.verification.status == "unverified"
+    assert "Unable to allocate" in result.verification.reason
 
 
 def unused_input(initializer=False):

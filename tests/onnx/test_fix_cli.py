@@ -91,6 +91,15 @@ def test_outputs_that_cannot_be_compared_exit_3(tmp_path, capsys):
     assert main(["fix", str(source), str(out), "-t", "ort-cpu", "--no-verify"]) == 0
 
 
+def test_an_input_shape_given_twice_is_refused(tmp_path, capsys):
+    source = save(models.relu(static=False), tmp_path / "in.onnx")
+    out = tmp_path / "out.onnx"
+    shapes = ["--input-shape", "x:2,3,8,8", "--input-shape", "x:1,3,8,8"]
+    assert models.exit_code(["fix", str(source), str(out), "-t", "ort-cpu", *shapes]) == 2
+    assert "--input-shape: x given twice (x:2,3,8,8 and x:1,3,8,8)" in one_line_error(capsys)
+    assert not out.exists()
+
+
 def test_the_written_model_has_a_new_files_mode(tmp_path):
     source = save(models.relu(), tmp_path / "in.onnx")
     out = tmp_path / "out.onnx"

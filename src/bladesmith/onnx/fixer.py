@@ -10,7 +10,7 @@ interface is unchanged: the same inputs and outputs, in order, with the same nam
 element types and ranks (else skipped, with the reason in `applied`), after graph
 outputs without a shape got the one onnx infers (the checker requires one):
 1. fold constant subgraphs with onnxslim (shape arithmetic on static shapes disappears;
-   `input_shapes` makes dynamic inputs static first);
+   `input_shapes` made dynamic inputs static before it);
 2. rewrite what is left of float shape arithmetic as integer arithmetic, where that is
    exact (integer-shape-arithmetic, below);
 3. remove initializers nothing reads;
@@ -25,6 +25,7 @@ be written.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -42,6 +43,7 @@ from bladesmith.onnx.rules.validity import invalid_graph
 from bladesmith.onnx.targets import Target, resolve_targets
 
 _INTEGER_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32})
+_INT64_MAX = 2**63 - 1
 
 
 class FixError(BladesmithError, RuntimeError):
@@ -113,7 +115,9 @@ def fix(
 ) -> FixResult:
     """Write a fixed copy of the model at `in_path` to `out_path` (see the module doc).
 
-    input_shapes: fixed dimensions for dynamic graph inputs, {name: [d0, d1, ...]}.
+    input_shapes: fixed dimensions for dynamic graph inputs, {name: [d0, d1, ...]}; a
+        shape the model cannot run at (strict shape inference of the folded model, or
+        ONNX Runtime running the original on inputs of it) is InvalidInputError.
     verify: compare the two models' outputs in ONNX Runtime; when the outputs differ
         the fixed model is not written and FixError is raised.
     """
@@ -133,14 +137,18 @@ def fix(
     before = check(original, resolved)
 
     applied: list[Rewrite] = []
-    model = _checkable(original, in_path, applied)
-    model = _step("constant-fold", lambda m: _fold_constants(m, shapes, applied), model, applied)
+    model = _checkable(_with_input_shapes(original, shapes, applied), in_path, applied)
+    model = _step("constant-fold", lambda m: _fold_constants(m, applied), model, applied)
     model = _step("integer-shape-arithmetic", lambda m: _integer_shape_arithmetic(m, applied),
                   model, applied)  # fmt: skip
     model = _step("unused-initializers", lambda m: _drop_unused_initializers(m, applied), model,
                   applied)  # fmt: skip
     model = _step("opset-conversion", lambda m: _convert_opset(m, resolved, applied), model,
                   applied)  # fmt: skip
+    # The input was valid: at the given shapes, folding computed what the model would.
+    invalid = invalid_graph(model) if shapes else []
+    if invalid:
+        raise InvalidInputError(_cannot_run_at(shapes, invalid[0].message))
 
     verification = (
         _compare_in_onnxruntime(original, model, shapes)
@@ -202,12 +210,14 @@ def _step(kind: str, rewrite, model: onnx.ModelProto, applied: list[Rewrite]) ->
         _same_interface(model, result)
     except Exception as error:  # onnxslim, the converter and the checker raise many types
         del applied[count:]
-        applied.append(Rewrite(kind, (), f"skipped: {_first_line(error)}"))
+        applied.append(Rewrite(kind, (), f"skipped: {_reason(error)}"))
         return model
     return result
 
 
-def _first_line(error: Exception) -> str:
+def _reason(error: BaseException) -> str:
+    """Why a step or a run failed: the error's whole first line (ONNX Runtime puts the
+    cause after the first sentence), at most 300 characters."""
     text = str(error).strip()
     return text.splitlines()[0][:300] if text else type(error).__name__
 
@@ -223,7 +233,8 @@ def _checkable(
     if unshaped:
         raise InvalidInputError(
             f"{in_path}: graph input {unshaped[0]!r} declares no shape, not even its rank, "
-            "which onnx's checker requires of every model fix writes; declare it in the model"
+            "which onnx's checker requires of every model fix writes; give it with "
+            f"--input-shape {unshaped[0]}:D0,D1,..."
         )
     if _unshaped(model.graph.output):
         model = _with_inferred_output_shapes(model, applied)
@@ -238,7 +249,7 @@ def _checkable(
         onnx.checker.check_model(model)
     except (onnx.checker.ValidationError, ValueError) as error:  # ValueError: over 2 GiB
         raise InvalidInputError(
-            f"{in_path}: onnx's checker rejects the model ({_first_line(error)}), and fix "
+            f"{in_path}: onnx's checker rejects the model ({_reason(error)}), and fix "
             "keeps only rewrites the checker accepts; correct the model or export it again"
         ) from None
     return model
@@ -333,6 +344,11 @@ def _check_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]]) ->
             raise InvalidInputError(
                 f"input_shapes (--input-shape) {name}:{_dims(dims)}: every dimension must be >= 1"
             )
+        if math.prod(dims) > _INT64_MAX:
+            raise InvalidInputError(
+                f"input_shapes (--input-shape) {name}:{_dims(dims)}: {math.prod(dims)} "
+                "elements, beyond int64, ONNX's type for sizes; give the shape of a real input"
+            )
         tensor_type = inputs[name].type.tensor_type
         if not tensor_type.HasField("shape"):
             continue  # rank unknown: any shape may be right
@@ -359,12 +375,38 @@ def _dims(dims) -> str:
     return ",".join(str(dim) for dim in dims)
 
 
+def _with_input_shapes(
+    model: onnx.ModelProto, shapes: dict[str, list[int]], applied: list[Rewrite]
+) -> onnx.ModelProto:
+    """A copy of `model` whose inputs named in `shapes` have those static dimensions."""
+    if not shapes:
+        return model
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    for value in result.graph.input:
+        if value.name in shapes:
+            shape = value.type.tensor_type.shape
+            del shape.dim[:]
+            shape.dim.extend(
+                onnx.TensorShapeProto.Dimension(dim_value=d) for d in shapes[value.name]
+            )
+    fixed = ", ".join(f"{name}={dims}" for name, dims in shapes.items())
+    applied.append(Rewrite("static-input-shapes", (), f"input shapes fixed: {fixed}"))
+    return result
+
+
+def _cannot_run_at(shapes: dict[str, list[int]], why: str) -> str:
+    given = " ".join(f"{name}:{_dims(dims)}" for name, dims in shapes.items())
+    return (
+        f"input_shapes (--input-shape) {given}: the model cannot run at this shape ({why}); "
+        "give a shape it runs at"
+    )
+
+
 # -- 1. constant folding ----------------------------------------------------------------
 
 
-def _fold_constants(
-    model: onnx.ModelProto, shapes: dict[str, list[int]], applied: list[Rewrite]
-) -> onnx.ModelProto:
+def _fold_constants(model: onnx.ModelProto, applied: list[Rewrite]) -> onnx.ModelProto:
     """onnxslim's constant folding, dead-node and common-subexpression elimination. Its
     pattern fusions (Conv+BN, Gemm, ...) are skipped: they are optimisations, not fixes."""
     import onnxslim
@@ -372,17 +414,12 @@ def _fold_constants(
     before = [node.name for node in model.graph.node]
     folded = onnxslim.slim(
         onnx.ModelProto.FromString(model.SerializeToString()),
-        input_shapes=[f"{name}:{','.join(map(str, dims))}" for name, dims in shapes.items()]
-        or None,
         skip_optimizations=["graph_fusion", "weight_tying"],
     )
     if folded is None:
         raise FixError("onnxslim could not simplify the model")
     after = {node.name for node in folded.graph.node}
     removed = tuple(name for name in before if name and name not in after)
-    if shapes:
-        fixed = ", ".join(f"{name}={dims}" for name, dims in shapes.items())
-        applied.append(Rewrite("static-input-shapes", (), f"input shapes fixed: {fixed}"))
     _keep_inputs(model, folded)
     if len(folded.graph.node) < len(before):
         applied.append(
@@ -826,41 +863,51 @@ def _convert_opset(
 def _compare_in_onnxruntime(
     original: onnx.ModelProto, fixed: onnx.ModelProto, shapes: dict[str, list[int]]
 ) -> Verification:
-    import onnxruntime as ort
-
     from bladesmith.verify import compare_tensors
 
     try:
         feeds = synthesise_inputs(original, shapes)
-    except ValueError as error:
-        return Verification("unverified", str(error))
-    options = ort.SessionOptions()
-    options.log_severity_level = 4  # failures come back as exceptions, said in one line
-    runs = []
-    for label, model in (("original", original), ("fixed", fixed)):
-        try:
-            session = ort.InferenceSession(
-                model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-            )
-            runs.append(session.run(None, feeds))
-        except Exception as error:  # onnxruntime raises its own Fail/InvalidGraph types
-            reason = str(error).strip().splitlines()[0][:300]
-            if label == "original":
-                return Verification("unverified", f"ONNX Runtime CPU cannot run it: {reason}")
-            return Verification(
-                "failed",
-                "ONNX Runtime CPU runs the original on synthesised inputs but not the fixed "
-                f"model on the same inputs, so no outputs were compared: {reason}",
-            )
+    except (ValueError, MemoryError) as error:  # MemoryError: inputs too large to make
+        return Verification("unverified", _reason(error))
+    try:
+        session = _cpu_session(original)
+    except Exception as error:  # onnxruntime raises its own Fail/InvalidGraph types
+        return Verification("unverified", f"ONNX Runtime CPU cannot run it: {_reason(error)}")
+    try:
+        references = session.run(None, feeds)
+    except Exception as error:
+        if shapes:  # it loads, but not at the shape given
+            raise InvalidInputError(
+                _cannot_run_at(shapes, f"ONNX Runtime CPU: {_reason(error)}")
+            ) from None
+        return Verification("unverified", f"ONNX Runtime CPU cannot run it: {_reason(error)}")
+    try:
+        candidates = _cpu_session(fixed).run(None, feeds)
+    except Exception as error:
+        return Verification(
+            "failed",
+            "ONNX Runtime CPU runs the original on synthesised inputs but not the fixed "
+            f"model on the same inputs, so no outputs were compared: {_reason(error)}",
+        )
     names = [output.name for output in original.graph.output]
     verification = Verification("passed")
-    for name, reference, candidate in zip(names, *runs, strict=True):
+    for name, reference, candidate in zip(names, references, candidates, strict=True):
         comparison = compare_tensors(reference, candidate)
         verification.outputs[name] = comparison.summary()
         if not comparison.passed:
             verification.status = "failed"
             verification.reason = f"output {name}: {comparison.summary()}"
     return verification
+
+
+def _cpu_session(model: onnx.ModelProto):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # failures come back as exceptions, said in one line
+    return ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
 
 
 def synthesise_inputs(
