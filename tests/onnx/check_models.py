@@ -172,6 +172,41 @@ def empty_tensor():
     )
 
 
+def empty_placeholders():
+    """What torch exports at opset 11 for interpolate(size=...): Resize with empty
+    Constant tensors for its unused roi and scales; and the shape of a 0-D tensor, empty
+    as a shape vector is for a scalar, fed to ConstantOfShape."""
+    empty = onnx.numpy_helper.from_array(np.zeros(0, np.float32))
+    nodes = [
+        h.make_node("Constant", [], ["roi"], name="roi", value=empty),
+        h.make_node("Constant", [], ["scales"], name="scales", value=empty),
+        h.make_node("Resize", ["x", "roi", "scales", "sizes"], ["y"], name="resize"),
+        h.make_node("Shape", ["t"], ["scalar_shape"], name="shape"),
+        h.make_node("ConstantOfShape", ["scalar_shape"], ["z"], name="fill"),
+    ]
+    return model(
+        nodes,
+        [image_input(static=True), h.make_tensor_value_info("t", FLOAT, [])],
+        [
+            h.make_tensor_value_info("y", FLOAT, [1, 3, 16, 16]),
+            h.make_tensor_value_info("z", FLOAT, []),
+        ],
+        [const("sizes", [1, 3, 16, 16], np.int64)],
+        opset=11,
+    )
+
+
+def sliced_empty():
+    """x[2:2], an empty slice of the data."""
+    nodes = [h.make_node("Slice", ["x", "start", "start"], ["y"], name="slice")]
+    return model(
+        nodes,
+        [h.make_tensor_value_info("x", FLOAT, [4])],
+        [h.make_tensor_value_info("y", FLOAT, [0])],
+        [const("start", [2], np.int64)],
+    )
+
+
 def sliced_shape_floor_division():
     """x.shape[2:] // 2 as exporters write it in floats: Shape -> Slice(2:) -> Cast(float)
     -> Div(2) -> Floor -> Cast(int64), the spatial sizes of a Resize."""
@@ -195,6 +230,71 @@ def sliced_shape_floor_division():
             const("start", [2], np.int64),
             const("end", [4], np.int64),
             const("zero", [0], np.int64),
+        ],
+    )
+
+
+def float_reshape_in_if(dims=(2, 3)):
+    """Shape -> Cast(float) -> Floor -> Cast(int64) -> Reshape inside an If's then-branch."""
+    then_branch = h.make_graph(
+        [
+            h.make_node("Shape", ["x"], ["s"], name="shape"),
+            h.make_node("Cast", ["s"], ["sf"], name="cast_f", to=FLOAT),
+            h.make_node("Floor", ["sf"], ["sr"], name="floor"),
+            h.make_node("Cast", ["sr"], ["si"], name="cast_i", to=INT64),
+            h.make_node("Reshape", ["x", "si"], ["t"], name="reshape"),
+        ],
+        "then",
+        [],
+        [h.make_tensor_value_info("t", FLOAT, dims)],
+    )
+    else_branch = h.make_graph(
+        [h.make_node("Identity", ["x"], ["e"], name="same")],
+        "else",
+        [],
+        [h.make_tensor_value_info("e", FLOAT, dims)],
+    )
+    branch = h.make_node(
+        "If", ["c"], ["y"], name="if", then_branch=then_branch, else_branch=else_branch
+    )
+    return model(
+        [branch],
+        [
+            h.make_tensor_value_info("x", FLOAT, dims),
+            h.make_tensor_value_info("c", onnx.TensorProto.BOOL, []),
+        ],
+        [h.make_tensor_value_info("y", FLOAT, dims)],
+    )
+
+
+def nonzero_in_loop():
+    """A Loop whose body counts the nonzero elements of x with NonZero."""
+    body = h.make_graph(
+        [
+            h.make_node("Identity", ["cond"], ["cond_out"], name="keep_going"),
+            h.make_node("NonZero", ["v"], ["nz"], name="nonzero"),
+            h.make_node("Identity", ["v"], ["v_out"], name="carry"),
+            h.make_node("ReduceSum", ["nz"], ["count"], name="count", keepdims=0),
+        ],
+        "body",
+        [
+            h.make_tensor_value_info("i", INT64, []),
+            h.make_tensor_value_info("cond", onnx.TensorProto.BOOL, []),
+            h.make_tensor_value_info("v", FLOAT, [4]),
+        ],
+        [
+            h.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []),
+            h.make_tensor_value_info("v_out", FLOAT, [4]),
+            h.make_tensor_value_info("count", INT64, []),
+        ],
+    )
+    loop = h.make_node("Loop", ["n", "", "x"], ["x_out", "counts"], name="loop", body=body)
+    return model(
+        [loop],
+        [h.make_tensor_value_info("n", INT64, []), h.make_tensor_value_info("x", FLOAT, [4])],
+        [
+            h.make_tensor_value_info("x_out", FLOAT, [4]),
+            h.make_tensor_value_info("counts", INT64, ["k"]),
         ],
     )
 

@@ -137,6 +137,22 @@ def test_zero_size_dimensions():
     assert data_dependent.node == "unique"
 
 
+def test_empty_placeholders_and_the_shape_of_a_scalar_are_not_empty_data():
+    findings = check(models.empty_placeholders(), ["tensorrt", "tensorrt8", "directml"])
+    assert not [f for f in findings if f.rule == "zero-size-dim"]
+    (sliced,) = found(check(models.sliced_empty(), "directml"), "zero-size-dim", "directml")
+    assert sliced.node == "slice" and "'y' has shape [0]" in sliced.message
+
+
+def test_shape_and_zero_size_rules_read_if_and_loop_bodies():
+    (flow,) = found(
+        check(models.float_reshape_in_if(), "tensorrt"), "float-shape-arithmetic", "tensorrt"
+    )
+    assert (flow.node, flow.severity, flow.related) == ("reshape", "error", ("cast_f", "floor"))
+    (zero,) = found(check(models.nonzero_in_loop(), "directml"), "zero-size-dim", "directml")
+    assert zero.node == "nonzero" and "NonZero" in zero.message
+
+
 def test_a_clean_model_has_no_findings_and_findings_serialise(tmp_path):
     import onnx
 

@@ -62,6 +62,11 @@ def test_fix_json_reports_rewrites_and_remaining_findings(dynamic_model, tmp_pat
     result = json.loads(capsys.readouterr().out)
     assert result["applied"][0]["kind"] == "integer-shape-arithmetic"
     assert [f["rule"] for f in result["remaining"]] == ["dynamic-dim"]
+    assert (result["passed"], result["verification"]["status"]) == (False, "unverified")
+    argv = ["fix", str(dynamic_model), str(tmp_path / "f.onnx"), "-t", "tensorrt", "--json"]
+    assert main([*argv, "--input-shape", "x:1,3,8,8"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["passed"], result["verification"]["status"]) == (True, "passed")
 
 
 def test_fix_exits_1_when_errors_remain(tmp_path, capsys):

@@ -30,6 +30,24 @@ def single(op, inputs, outputs, opset, domain="", **attributes):
     return model
 
 
+def calls_local_function(op, elem_type):
+    """y = Block(x), Block a model-local function (model.functions) whose body is one
+    node `op`(a, a), named body_op."""
+    inputs = ["a", "a"] if op in ("Add", "Mul") else ["a"]
+    body = [h.make_node(op, inputs, ["b"], name="body_op")]
+    function = h.make_function("my.blocks", "Block", ["a"], ["b"], body, [h.make_opsetid("", 17)])
+    graph = h.make_graph(
+        [h.make_node("Block", ["x"], ["y"], name="call", domain="my.blocks")],
+        "g",
+        [h.make_tensor_value_info("x", elem_type, [2])],
+        [h.make_tensor_value_info("y", elem_type, [2])],
+    )
+    imports = [h.make_opsetid("", 17), h.make_opsetid("my.blocks", 1)]
+    model = h.make_model(graph, opset_imports=imports, functions=[function])
+    model.ir_version = 10
+    return model
+
+
 def ort_loads(model) -> bool:
     try:
         ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -61,6 +79,9 @@ CASES = {
                             ("g", T.FLOAT, [2]), ("v", T.FLOAT, [2]), ("s", T.FLOAT, [2])],
                    [("x2", T.FLOAT, [2]), ("v2", T.FLOAT, [2]), ("s2", T.FLOAT, [2])],
                    17, domain="ai.onnx.preview.training"),
+    # A model-local function runs as its body.
+    "local_function_relu": calls_local_function("Relu", T.FLOAT),
+    "local_function_bfloat16_add": calls_local_function("Add", T.BFLOAT16),
 }  # fmt: skip
 
 
@@ -77,6 +98,33 @@ def test_type_errors_name_the_type_and_function_errors_name_the_op():
     (preview,) = errors(CASES["adam"])
     assert "Adam" in preview.message and preview.node == "n"
     assert not [f for f in check(CASES["adam"], "ort-cpu") if f.rule == "custom-op"]
+
+
+def test_a_local_functions_call_is_not_a_custom_operator_its_body_is_judged():
+    assert check(CASES["local_function_relu"], "all") == []
+    findings = check(CASES["local_function_bfloat16_add"], "all")
+    assert {f.rule for f in findings} == {"unsupported-op", "unsupported-usage"}  # + TRT types
+    (cpu,) = [f for f in findings if f.target == "ort-cpu"]
+    assert cpu.node.startswith("body_op") and "Add-14" in cpu.message
+
+
+def test_a_torch_export_of_modules_as_functions_has_no_custom_operators(tmp_path):
+    import torch
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 3, 3, padding=1)
+
+        def forward(self, x):
+            return torch.relu(self.conv(x)) + x
+
+    model = torch.nn.Sequential(Block(), Block()).eval()
+    path = tmp_path / "blocks.onnx"
+    torch.onnx.export(model, (torch.rand(1, 3, 8, 8),), path, opset_version=17, dynamo=False,
+                      export_modules_as_functions={Block})  # fmt: skip
+    assert onnx.load(path).functions
+    assert check(path, "all") == []
 
 
 def test_batch_first_lstm_is_an_error_on_ort_cpu_and_tensorrt():

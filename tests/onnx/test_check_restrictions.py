@@ -4,6 +4,7 @@ restricted usage passes."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import pytest
 
@@ -14,7 +15,8 @@ T = onnx.TensorProto
 
 
 def node_model(op, inputs, outputs, opset=22, **attributes):
-    """One node named n; inputs/outputs as (name, elem_type, shape); '' skips an input."""
+    """One node named n; inputs/outputs as (name, elem_type, shape), or (name, array) for
+    an initializer; '' skips an input."""
     node = h.make_node(
         op, [spec[0] if spec else "" for spec in inputs], [n for n, *_ in outputs], name="n",
         **attributes,
@@ -22,8 +24,9 @@ def node_model(op, inputs, outputs, opset=22, **attributes):
     graph = h.make_graph(
         [node],
         "g",
-        [h.make_tensor_value_info(*spec) for spec in inputs if spec],
+        [h.make_tensor_value_info(*spec) for spec in inputs if spec and len(spec) == 3],
         [h.make_tensor_value_info(*spec) for spec in outputs],
+        [onnx.numpy_helper.from_array(*spec[::-1]) for spec in inputs if len(spec) == 2],
     )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
     model.ir_version = 10
@@ -128,3 +131,109 @@ def test_restrictions_belong_to_their_target():
     bad, _, _ = CASES["resize_cubic"]
     assert restricted(bad, "ort-cpu") == []
     assert restricted(CASES["pool_1d"][0], "tensorrt8")  # TensorRT 8.5: 2-D or 3-D only
+
+
+VECTOR = ("x", T.FLOAT, [2, 4])
+AXES = ("axes", T.INT64, [1])
+ZERO_AXIS = ("axes", np.array([0]))
+INT8_OUT = [("y", T.INT8, [4])]
+FLOAT_OUT = [("y", T.FLOAT, [4])]
+
+# TensorRT 8.5 (onnx-tensorrt docs/operators.md at 6d0ab7be): as CASES, at opset 17
+TRT8_CASES = {
+    "bfloat16": (
+        node_model("MatMul", [("a", T.BFLOAT16, [2, 2]), ("b", T.BFLOAT16, [2, 2])],
+                   [("c", T.BFLOAT16, [2, 2])], opset=17),
+        node_model("MatMul", [("a", T.FLOAT16, [2, 2]), ("b", T.FLOAT16, [2, 2])],
+                   [("c", T.FLOAT16, [2, 2])], opset=17),
+        "tensor(bfloat16)",
+    ),
+    "int16": (
+        node_model("Max", [("a", T.INT16, [2]), ("b", T.INT16, [2])], [("c", T.INT16, [2])],
+                   opset=17),
+        node_model("Max", [("a", T.INT32, [2]), ("b", T.INT32, [2])], [("c", T.INT32, [2])],
+                   opset=17),
+        "tensor(int16)",
+    ),
+    "topk_k": (
+        node_model("TopK", [VECTOR, ("k", T.INT64, [1])], [*POOLED, ("i", T.INT64, None)],
+                   opset=17),
+        node_model("TopK", [VECTOR, ("k", np.array([2]))], [*POOLED, ("i", T.INT64, None)],
+                   opset=17),
+        "K must be an initializer",
+    ),
+    "resize_cubic": (
+        node_model("Resize", [IMAGE, "", SCALES], POOLED, mode="cubic", opset=17),
+        node_model("Resize", [IMAGE, "", SCALES], POOLED, mode="linear", opset=17),
+        "mode=cubic",
+    ),
+    "resize_crop": (
+        node_model("Resize", [IMAGE, ("roi", T.FLOAT, [8]), SCALES], POOLED, opset=17,
+                   coordinate_transformation_mode="tf_crop_and_resize"),
+        node_model("Resize", [IMAGE, "", SCALES], POOLED, opset=17,
+                   coordinate_transformation_mode="pytorch_half_pixel"),
+        "tf_crop_and_resize",
+    ),
+    "slice_axes": (
+        node_model("Slice", [VECTOR, ("s", np.array([0])), ("e", np.array([1])), AXES],
+                   POOLED, opset=17),
+        node_model("Slice", [VECTOR, ("s", np.array([0])), ("e", np.array([1])), ZERO_AXIS],
+                   POOLED, opset=17),
+        "axes must be an initializer",
+    ),
+    "squeeze_axes": (
+        node_model("Squeeze", [("x", T.FLOAT, [1, 4]), AXES], POOLED, opset=17),
+        node_model("Squeeze", [("x", T.FLOAT, [1, 4]), ZERO_AXIS], POOLED, opset=17),
+        "axes must be an initializer",
+    ),
+    "unsqueeze_axes": (
+        node_model("Unsqueeze", [VECTOR, AXES], POOLED, opset=17),
+        node_model("Unsqueeze", [VECTOR, ZERO_AXIS], POOLED, opset=17),
+        "axes must be an initializer",
+    ),
+    "cumsum_axis": (
+        node_model("CumSum", [VECTOR, ("axis", T.INT64, [])], POOLED, opset=17),
+        node_model("CumSum", [VECTOR, ("axis", np.array(1))], POOLED, opset=17),
+        "axis must be an initializer",
+    ),
+    "instancenorm_scale": (
+        node_model("InstanceNormalization", [IMAGE, ("s", T.FLOAT, [3]),
+                                             ("b", np.zeros(3, np.float32))], POOLED, opset=17),
+        node_model("InstanceNormalization", [IMAGE, ("s", np.ones(3, np.float32)),
+                                             ("b", np.zeros(3, np.float32))], POOLED, opset=17),
+        "input s is not a constant",
+    ),
+    "dequantize_zero_point": (
+        node_model("DequantizeLinear", [("q", T.INT8, [4]), ("sc", np.array(0.5, np.float32)),
+                                        ("zp", np.array(3, np.int8))], FLOAT_OUT, opset=17),
+        node_model("DequantizeLinear", [("q", T.INT8, [4]), ("sc", np.array(0.5, np.float32)),
+                                        ("zp", np.array(0, np.int8))], FLOAT_OUT, opset=17),
+        "x_zero_point must be zero",
+    ),
+    "quantize_zero_point": (
+        node_model("QuantizeLinear", [("f", T.FLOAT, [4]), ("sc", np.array(0.5, np.float32)),
+                                      ("zp", np.array(3, np.int8))], INT8_OUT, opset=17),
+        node_model("QuantizeLinear", [("f", T.FLOAT, [4]), ("sc", np.array(0.5, np.float32)),
+                                      ("zp", np.array(0, np.int8))], INT8_OUT, opset=17),
+        "y_zero_point must be zero",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(TRT8_CASES))
+def test_tensorrt8_restriction_is_an_error_at_its_node(name):
+    bad, good, words = TRT8_CASES[name]
+    (finding,) = restricted(bad, "tensorrt8")
+    assert (finding.node, finding.severity) == ("n", "error")
+    assert words in finding.message
+    assert "docs/operators.md (TensorRT 8.5, commit 6d0ab7be" in finding.source
+    assert restricted(good, "tensorrt8") == []
+
+
+def test_a_constant_nodes_output_is_a_constant_input_for_tensorrt8():
+    """onnx-tensorrt reads a Constant node's output as weights, as it does an initializer."""
+    model = TRT8_CASES["topk_k"][0]
+    graph = model.graph
+    graph.node.insert(0, h.make_node("Constant", [], ["k"], value_ints=[2]))
+    graph.input.remove(next(i for i in graph.input if i.name == "k"))
+    assert restricted(model, "tensorrt8") == []

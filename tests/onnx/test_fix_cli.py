@@ -40,6 +40,21 @@ def test_files_that_are_not_models_exit_2_and_write_nothing(content, tmp_path, c
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["check", "fix"])
+def test_a_missing_external_data_file_is_named_in_one_line(command, tmp_path, capsys):
+    source = tmp_path / "model.onnx"
+    onnx.save(models.float_resize_sizes(static=True), source, save_as_external_data=True,
+              location="model.weights", size_threshold=0)  # fmt: skip
+    (tmp_path / "model.weights").unlink()
+    out = tmp_path / "out.onnx"
+    argv = [command, str(source), *([str(out)] if command == "fix" else []), "-t", "ort-cpu"]
+    assert main(argv) == 2
+    error = one_line_error(capsys)
+    assert "external data file 'model.weights' is missing" in error and str(tmp_path) in error
+    assert "export" not in error
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("name", sorted(INVALID))
 def test_invalid_graphs_exit_2_and_write_nothing(name, tmp_path, capsys):
     source = save(INVALID[name][0](), tmp_path / "in.onnx")
@@ -74,6 +89,15 @@ def test_outputs_that_cannot_be_compared_exit_3(tmp_path, capsys):
     assert "verification: unverified" in capsys.readouterr().out and out.exists()
     assert main(["fix", str(source), str(out), "-t", "ort-cpu", "--input-shape", "x:2,3,8,8"]) == 0
     assert main(["fix", str(source), str(out), "-t", "ort-cpu", "--no-verify"]) == 0
+
+
+def test_an_input_shape_given_twice_is_refused(tmp_path, capsys):
+    source = save(models.relu(static=False), tmp_path / "in.onnx")
+    out = tmp_path / "out.onnx"
+    shapes = ["--input-shape", "x:2,3,8,8", "--input-shape", "x:1,3,8,8"]
+    assert models.exit_code(["fix", str(source), str(out), "-t", "ort-cpu", *shapes]) == 2
+    assert "--input-shape: x given twice (x:2,3,8,8 and x:1,3,8,8)" in one_line_error(capsys)
+    assert not out.exists()
 
 
 def test_the_written_model_has_a_new_files_mode(tmp_path):

@@ -135,6 +135,32 @@ def test_session_input_errors_name_the_inputs(tmp_path):
         ort_session.run(x, x)
 
 
+def test_session_takes_onnxruntimes_own_run_call(tmp_path):
+    import onnxruntime as ort
+
+    ort_session = session(_affine_model(tmp_path / "affine.onnx"), device="cpu")
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    (y,) = ort_session.run(None, {"x": x})
+    np.testing.assert_array_equal(y, x + [1.0, 2.0, 3.0])
+    (y_named,) = ort_session.run(["y"], {"x": torch.from_numpy(x)}, ort.RunOptions())
+    np.testing.assert_array_equal(y_named, y)
+    (y_torch,) = ort_session(None, {"x": x})
+    torch.testing.assert_close(y_torch, torch.from_numpy(y))
+    with pytest.raises(BladesmithError, match="outputs are y"):
+        ort_session.run(["z"], {"x": x})
+    with pytest.raises(BladesmithError, match="inputs are x"):
+        ort_session.run(None, {"images": x})
+
+
+@pytest.mark.parametrize("arguments", [(None, np.zeros((2, 3), np.float32)), ({"x": 1},)])
+def test_a_garbled_run_call_is_told_both_conventions(arguments, tmp_path):
+    ort_session = session(_affine_model(tmp_path / "affine.onnx"), device="cpu")
+    with pytest.raises(BladesmithError, match="as argument 1") as raised:
+        ort_session.run(*arguments)
+    assert "by name (run(x), run(name=x))" in str(raised.value)
+    assert "run(output_names, {name: array}) (run(None, {'x': x}))" in str(raised.value)
+
+
 def test_session_refuses_another_shape_or_dtype_in_one_line_saying_what_it_was_exported_for(
     tmp_path,
 ):

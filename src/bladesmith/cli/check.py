@@ -51,11 +51,11 @@ def add_parser(subparsers) -> None:
     _add_common(fix)
     fix.add_argument(
         "--input-shape",
-        action="append",
-        default=[],
+        action=_InputShapes,
+        default={},
         type=_input_shape,
         metavar="NAME:D0,D1,...",
-        help="make a dynamic input static (repeat for several inputs)",
+        help="make a dynamic input static (repeat for several inputs, each once)",
     )
     fix.add_argument(
         "--no-verify",
@@ -98,7 +98,7 @@ def _run_check(args) -> int:
 
 
 def _run_fix(args) -> int:
-    from bladesmith.onnx.checker import NotAModelError, load_model
+    from bladesmith.onnx.checker import NotAModelError, has_errors, load_model
     from bladesmith.onnx.fixer import FixError, InvalidInputError, fix
     from bladesmith.onnx.targets import UnknownTargetError
 
@@ -107,7 +107,7 @@ def _run_fix(args) -> int:
             args.model,
             args.output,
             args.target,
-            input_shapes=dict(args.input_shape),
+            input_shapes=args.input_shape,
             verify=not args.no_verify,
         )
     except (NotAModelError, UnknownTargetError, InvalidInputError) as error:
@@ -128,19 +128,19 @@ def _run_fix(args) -> int:
         print(f"verification: {verification.status}{reason}")
         _print_findings(result.remaining, _op_types(load_model(result.output_path)))
         print(f"wrote {result.output_path}; {len(result.remaining)} findings remain")
-    if not result.passed:
-        return 1
-    return UNVERIFIED if result.verification.status == "unverified" else 0
+    if result.passed:
+        return 0
+    return 1 if has_errors(result.remaining) else UNVERIFIED
 
 
 def _op_types(model) -> dict[str, str]:
     """Node label (as findings name nodes) -> operator type."""
-    from bladesmith.onnx.rules.graph import GraphView
+    from bladesmith.onnx.checker import graph_view
     from bladesmith.onnx.rules.validity import invalid_graph
 
     if invalid_graph(model):
         return {}
-    view = GraphView(model)
+    view = graph_view(model)
     return {view.label(node): node.op_type for node in view.all_nodes()}
 
 
@@ -180,3 +180,20 @@ def _input_shape(spec: str) -> tuple[str, list[int]]:
     if not name or not shape or min(shape) < 1:
         raise argparse.ArgumentTypeError(f"want NAME:D0,D1,... with integers >= 1, got {spec!r}")
     return name, shape
+
+
+class _InputShapes(argparse.Action):
+    """--input-shape NAME:DIMS, repeated, as {name: dims}; a name given twice is refused
+    (which one was meant is not for fix to guess)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        name, dims = value
+        shapes = dict(getattr(namespace, self.dest))
+        if name in shapes:
+            given = ",".join(map(str, shapes[name]))
+            raise argparse.ArgumentError(
+                self,
+                f"{name} given twice ({name}:{given} and {name}:{','.join(map(str, dims))}); "
+                "give each input once",
+            )
+        setattr(namespace, self.dest, {**shapes, name: dims})

@@ -7,9 +7,10 @@ again and confirm in ONNX Runtime that its outputs did not change.
 
 Steps, in order, each kept only when onnx's checker accepts its result and the model's
 interface is unchanged: the same inputs and outputs, in order, with the same names,
-element types and ranks (else skipped, with the reason in `applied`):
+element types and ranks (else skipped, with the reason in `applied`), after graph
+outputs without a shape got the one onnx infers (the checker requires one):
 1. fold constant subgraphs with onnxslim (shape arithmetic on static shapes disappears;
-   `input_shapes` makes dynamic inputs static first);
+   `input_shapes` made dynamic inputs static before it);
 2. rewrite what is left of float shape arithmetic as integer arithmetic, where that is
    exact (integer-shape-arithmetic, below);
 3. remove initializers nothing reads;
@@ -18,11 +19,13 @@ element types and ranks (else skipped, with the reason in `applied`):
    the model (one atomic write), and check it again.
 
 Failures are FixError, one line each, with nothing written: InvalidInputError for an
-input that is not a valid graph or an output that cannot be written.
+input that is not a valid graph or that onnx's checker refuses, or an output that cannot
+be written.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -33,13 +36,14 @@ import onnx
 
 from bladesmith._files import write_atomically
 from bladesmith.errors import BladesmithError
-from bladesmith.onnx.checker import Finding, check, load_model
+from bladesmith.onnx.checker import Finding, check, has_errors, load_model
 from bladesmith.onnx.rules.graph import FLOAT_TYPES, GraphView, attribute
 from bladesmith.onnx.rules.opset import opset_range
 from bladesmith.onnx.rules.validity import invalid_graph
 from bladesmith.onnx.targets import Target, resolve_targets
 
 _INTEGER_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32})
+_INT64_MAX = 2**63 - 1
 
 
 class FixError(BladesmithError, RuntimeError):
@@ -82,10 +86,10 @@ class FixResult:
 
     @property
     def passed(self) -> bool:
-        """No errors remain and the outputs were not found to differ."""
-        return self.verification.status != "failed" and not any(
-            finding.severity == "error" for finding in self.remaining
-        )
+        """No errors remain and the outputs were compared equal, or no comparison was asked
+        for: what `bladesmith fix` exits 0 for. False when they could not be compared
+        ("unverified", exit 3) or errors remain (exit 1)."""
+        return self.verification.status in ("passed", "skipped") and not has_errors(self.remaining)
 
     def to_dict(self) -> dict:
         return {
@@ -111,7 +115,9 @@ def fix(
 ) -> FixResult:
     """Write a fixed copy of the model at `in_path` to `out_path` (see the module doc).
 
-    input_shapes: fixed dimensions for dynamic graph inputs, {name: [d0, d1, ...]}.
+    input_shapes: fixed dimensions for dynamic graph inputs, {name: [d0, d1, ...]}; a
+        shape the model cannot run at (strict shape inference of the folded model, or
+        ONNX Runtime running the original on inputs of it) is InvalidInputError.
     verify: compare the two models' outputs in ONNX Runtime; when the outputs differ
         the fixed model is not written and FixError is raised.
     """
@@ -131,13 +137,18 @@ def fix(
     before = check(original, resolved)
 
     applied: list[Rewrite] = []
-    model = _step("constant-fold", lambda m: _fold_constants(m, shapes, applied), original, applied)
+    model = _checkable(_with_input_shapes(original, shapes, applied), in_path, applied)
+    model = _step("constant-fold", lambda m: _fold_constants(m, applied), model, applied)
     model = _step("integer-shape-arithmetic", lambda m: _integer_shape_arithmetic(m, applied),
                   model, applied)  # fmt: skip
     model = _step("unused-initializers", lambda m: _drop_unused_initializers(m, applied), model,
                   applied)  # fmt: skip
     model = _step("opset-conversion", lambda m: _convert_opset(m, resolved, applied), model,
                   applied)  # fmt: skip
+    # The input was valid: at the given shapes, folding computed what the model would.
+    invalid = invalid_graph(model) if shapes else []
+    if invalid:
+        raise InvalidInputError(_cannot_run_at(shapes, invalid[0].message))
 
     verification = (
         _compare_in_onnxruntime(original, model, shapes)
@@ -199,9 +210,81 @@ def _step(kind: str, rewrite, model: onnx.ModelProto, applied: list[Rewrite]) ->
         _same_interface(model, result)
     except Exception as error:  # onnxslim, the converter and the checker raise many types
         del applied[count:]
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        applied.append(Rewrite(kind, (), f"skipped: {reason[:300]}"))
+        applied.append(Rewrite(kind, (), f"skipped: {_reason(error)}"))
         return model
+    return result
+
+
+def _reason(error: BaseException) -> str:
+    """Why a step or a run failed: the error's whole first line (ONNX Runtime puts the
+    cause after the first sentence), at most 300 characters."""
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def _checkable(
+    model: onnx.ModelProto, in_path: str | Path, applied: list[Rewrite]
+) -> onnx.ModelProto:
+    """`model` as onnx's checker accepts it, since every rewrite's result must pass the
+    checker: graph outputs that declare no shape, which ONNX Runtime runs but the checker
+    refuses, get the one onnx's shape inference finds (a copy; said in `applied`).
+    InvalidInputError, naming the value, when the checker still rejects it."""
+    unshaped = [value.name for value in _unshaped(model.graph.input)]
+    if unshaped:
+        raise InvalidInputError(
+            f"{in_path}: graph input {unshaped[0]!r} declares no shape, not even its rank, "
+            "which onnx's checker requires of every model fix writes; give it with "
+            f"--input-shape {unshaped[0]}:D0,D1,..."
+        )
+    if _unshaped(model.graph.output):
+        model = _with_inferred_output_shapes(model, applied)
+    unshaped = [value.name for value in _unshaped(model.graph.output)]
+    if unshaped:
+        raise InvalidInputError(
+            f"{in_path}: graph output {unshaped[0]!r} declares no shape and onnx's shape "
+            "inference finds none, and onnx's checker requires one of every model fix "
+            "writes; declare its rank in the model"
+        )
+    try:
+        onnx.checker.check_model(model)
+    except (onnx.checker.ValidationError, ValueError) as error:  # ValueError: over 2 GiB
+        raise InvalidInputError(
+            f"{in_path}: onnx's checker rejects the model ({_reason(error)}), and fix "
+            "keeps only rewrites the checker accepts; correct the model or export it again"
+        ) from None
+    return model
+
+
+def _unshaped(values) -> list[onnx.ValueInfoProto]:
+    """The tensors among `values` that declare no shape (their rank unknown)."""
+    return [
+        value
+        for value in values
+        if value.type.HasField("tensor_type") and not value.type.tensor_type.HasField("shape")
+    ]
+
+
+def _with_inferred_output_shapes(model: onnx.ModelProto, applied: list[Rewrite]) -> onnx.ModelProto:
+    """A copy of `model` whose shapeless graph outputs declare what onnx infers."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    by_name = {value.name: value for value in inferred.graph.output}
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    declared = []
+    for value in _unshaped(result.graph.output):
+        found = by_name[value.name].type.tensor_type
+        if found.HasField("shape"):
+            value.type.tensor_type.shape.CopyFrom(found.shape)
+            declared.append(f"{value.name} (rank {len(found.shape.dim)})")
+    if declared:
+        applied.append(
+            Rewrite(
+                "output-shapes",
+                (),
+                f"declared the shapes onnx infers for outputs {', '.join(declared)}: onnx's "
+                "checker requires them, ONNX Runtime does not",
+            )
+        )
     return result
 
 
@@ -261,6 +344,11 @@ def _check_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]]) ->
             raise InvalidInputError(
                 f"input_shapes (--input-shape) {name}:{_dims(dims)}: every dimension must be >= 1"
             )
+        if math.prod(dims) > _INT64_MAX:
+            raise InvalidInputError(
+                f"input_shapes (--input-shape) {name}:{_dims(dims)}: {math.prod(dims)} "
+                "elements, beyond int64, ONNX's type for sizes; give the shape of a real input"
+            )
         tensor_type = inputs[name].type.tensor_type
         if not tensor_type.HasField("shape"):
             continue  # rank unknown: any shape may be right
@@ -287,12 +375,38 @@ def _dims(dims) -> str:
     return ",".join(str(dim) for dim in dims)
 
 
+def _with_input_shapes(
+    model: onnx.ModelProto, shapes: dict[str, list[int]], applied: list[Rewrite]
+) -> onnx.ModelProto:
+    """A copy of `model` whose inputs named in `shapes` have those static dimensions."""
+    if not shapes:
+        return model
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    for value in result.graph.input:
+        if value.name in shapes:
+            shape = value.type.tensor_type.shape
+            del shape.dim[:]
+            shape.dim.extend(
+                onnx.TensorShapeProto.Dimension(dim_value=d) for d in shapes[value.name]
+            )
+    fixed = ", ".join(f"{name}={dims}" for name, dims in shapes.items())
+    applied.append(Rewrite("static-input-shapes", (), f"input shapes fixed: {fixed}"))
+    return result
+
+
+def _cannot_run_at(shapes: dict[str, list[int]], why: str) -> str:
+    given = " ".join(f"{name}:{_dims(dims)}" for name, dims in shapes.items())
+    return (
+        f"input_shapes (--input-shape) {given}: the model cannot run at this shape ({why}); "
+        "give a shape it runs at"
+    )
+
+
 # -- 1. constant folding ----------------------------------------------------------------
 
 
-def _fold_constants(
-    model: onnx.ModelProto, shapes: dict[str, list[int]], applied: list[Rewrite]
-) -> onnx.ModelProto:
+def _fold_constants(model: onnx.ModelProto, applied: list[Rewrite]) -> onnx.ModelProto:
     """onnxslim's constant folding, dead-node and common-subexpression elimination. Its
     pattern fusions (Conv+BN, Gemm, ...) are skipped: they are optimisations, not fixes."""
     import onnxslim
@@ -300,17 +414,12 @@ def _fold_constants(
     before = [node.name for node in model.graph.node]
     folded = onnxslim.slim(
         onnx.ModelProto.FromString(model.SerializeToString()),
-        input_shapes=[f"{name}:{','.join(map(str, dims))}" for name, dims in shapes.items()]
-        or None,
         skip_optimizations=["graph_fusion", "weight_tying"],
     )
     if folded is None:
         raise FixError("onnxslim could not simplify the model")
     after = {node.name for node in folded.graph.node}
     removed = tuple(name for name in before if name and name not in after)
-    if shapes:
-        fixed = ", ".join(f"{name}={dims}" for name, dims in shapes.items())
-        applied.append(Rewrite("static-input-shapes", (), f"input shapes fixed: {fixed}"))
     _keep_inputs(model, folded)
     if len(folded.graph.node) < len(before):
         applied.append(
@@ -393,7 +502,8 @@ def _separate_chains(model: onnx.ModelProto) -> None:
     view = GraphView(model)
     for cast in list(graph.node):
         readers = view.consumers.get(cast.output[0], []) if cast.op_type == "Cast" else []
-        readers = list({id(reader): reader for reader in readers}.values())  # Mul(c, c)
+        # One per node (Mul(c, c) reads it twice); a body's reader keeps the original.
+        readers = list({id(r): r for r in readers if view.in_main_graph(r)}.values())
         if (
             len(readers) < 2
             or cast.output[0] in graph_outputs
@@ -516,10 +626,9 @@ def _integer_chain(view: GraphView, cast: onnx.NodeProto):
     steps: list[_Step] = []
     current = cast.output[0]
     while True:
-        consumers = view.consumers.get(current, [])
-        if len(consumers) != 1 or current in view.graph_output_names:
+        node = _single_consumer(view, current)
+        if node is None:
             return None
-        node = consumers[0]
         if node.op_type == "Cast" and attribute(node, "to") == float_type:
             steps.append(_Step("Identity", None, (node,)))  # float to the same float
         elif node.op_type == "Cast":
@@ -619,8 +728,14 @@ def _integer_operand(view: GraphView, node: onnx.NodeProto, current: str):
 
 
 def _single_consumer(view: GraphView, tensor: str) -> onnx.NodeProto | None:
+    """The one node reading `tensor`, None when it is read by several, returned by the
+    graph or read inside an If/Loop/Scan body (which fix does not rewrite)."""
     consumers = view.consumers.get(tensor, [])
-    if len(consumers) != 1 or tensor in view.graph_output_names:
+    if (
+        len(consumers) != 1
+        or tensor in view.graph_output_names
+        or not view.in_main_graph(consumers[0])
+    ):
         return None
     return consumers[0]
 
@@ -748,41 +863,51 @@ def _convert_opset(
 def _compare_in_onnxruntime(
     original: onnx.ModelProto, fixed: onnx.ModelProto, shapes: dict[str, list[int]]
 ) -> Verification:
-    import onnxruntime as ort
-
     from bladesmith.verify import compare_tensors
 
     try:
         feeds = synthesise_inputs(original, shapes)
-    except ValueError as error:
-        return Verification("unverified", str(error))
-    options = ort.SessionOptions()
-    options.log_severity_level = 4  # failures come back as exceptions, said in one line
-    runs = []
-    for label, model in (("original", original), ("fixed", fixed)):
-        try:
-            session = ort.InferenceSession(
-                model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-            )
-            runs.append(session.run(None, feeds))
-        except Exception as error:  # onnxruntime raises its own Fail/InvalidGraph types
-            reason = str(error).strip().splitlines()[0][:300]
-            if label == "original":
-                return Verification("unverified", f"ONNX Runtime CPU cannot run it: {reason}")
-            return Verification(
-                "failed",
-                "ONNX Runtime CPU runs the original on synthesised inputs but not the fixed "
-                f"model on the same inputs, so no outputs were compared: {reason}",
-            )
+    except (ValueError, MemoryError) as error:  # MemoryError: inputs too large to make
+        return Verification("unverified", _reason(error))
+    try:
+        session = _cpu_session(original)
+    except Exception as error:  # onnxruntime raises its own Fail/InvalidGraph types
+        return Verification("unverified", f"ONNX Runtime CPU cannot run it: {_reason(error)}")
+    try:
+        references = session.run(None, feeds)
+    except Exception as error:
+        if shapes:  # it loads, but not at the shape given
+            raise InvalidInputError(
+                _cannot_run_at(shapes, f"ONNX Runtime CPU: {_reason(error)}")
+            ) from None
+        return Verification("unverified", f"ONNX Runtime CPU cannot run it: {_reason(error)}")
+    try:
+        candidates = _cpu_session(fixed).run(None, feeds)
+    except Exception as error:
+        return Verification(
+            "failed",
+            "ONNX Runtime CPU runs the original on synthesised inputs but not the fixed "
+            f"model on the same inputs, so no outputs were compared: {_reason(error)}",
+        )
     names = [output.name for output in original.graph.output]
     verification = Verification("passed")
-    for name, reference, candidate in zip(names, *runs, strict=True):
+    for name, reference, candidate in zip(names, references, candidates, strict=True):
         comparison = compare_tensors(reference, candidate)
         verification.outputs[name] = comparison.summary()
         if not comparison.passed:
             verification.status = "failed"
             verification.reason = f"output {name}: {comparison.summary()}"
     return verification
+
+
+def _cpu_session(model: onnx.ModelProto):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # failures come back as exceptions, said in one line
+    return ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
 
 
 def synthesise_inputs(

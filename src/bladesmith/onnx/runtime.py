@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,10 +128,14 @@ def default_trt_cache_dir() -> Path:
 class Session:
     """An ONNX Runtime session that takes numpy arrays or torch tensors.
 
-    ``run(*inputs, **named)`` returns numpy arrays, as ONNX Runtime does; calling the
-    session returns torch tensors, as the module it was exported from would (on the
-    CPU). ``providers`` lists the providers ONNX Runtime actually kept, best first.
-    Inputs are checked against the shapes and dtypes the model was exported for.
+    ``run(*inputs, **named)`` takes the inputs in the model's order or by name
+    (``run(x)``, ``run(images=x)``) and returns every output as a numpy array, in order.
+    ONNX Runtime's own form works as on an InferenceSession: ``run(output_names,
+    input_feed[, run_options])`` (``run(None, {"images": x})``) returns the outputs named,
+    every one for None. Calling the session returns torch tensors, as the module it was
+    exported from would (on the CPU). ``providers`` lists the providers ONNX Runtime
+    actually kept, best first. Inputs are checked against the shapes and dtypes the model
+    was exported for.
     A model exported with non-tensor arguments (``forward(x, flip: bool)``) holds their
     values as constants (``baked_arguments``): it may also be called with all of the
     module's positional arguments, and refuses values other than those.
@@ -150,31 +154,52 @@ class Session:
         return self.inference_session.get_providers()
 
     def run(self, *inputs, **named) -> list:
+        if _onnxruntime_form(inputs, named):
+            output_names, feeds, *run_options = inputs
+            return self._run(feeds, output_names, *run_options)
         if self.baked_arguments and (
             len(inputs) > len(self.input_names) or not all(map(_is_array, inputs))
         ):  # the module's own arguments: check the baked ones, then drop them
             self.check_arguments(inputs)
             inputs = tuple(_arrays(inputs))
+        for position, value in enumerate(inputs, start=1):
+            if value is None or isinstance(value, Mapping):  # ONNX Runtime's form, garbled
+                raise BladesmithError(self._convention(f"{_kind(value)} as argument {position}"))
         if len(inputs) > len(self.input_names):
             raise BladesmithError(
                 f"the model takes {len(self.input_names)} inputs ({', '.join(self.input_names)})"
                 f"; got {len(inputs)}"
             )
-        feeds = dict(zip(self.input_names, inputs))
-        unknown = set(named) - set(self.input_names)
+        return self._run({**dict(zip(self.input_names, inputs)), **named})
+
+    def _run(self, feeds: Mapping, output_names=None, run_options=None) -> list:
+        unknown = set(feeds) - set(self.input_names)
         if unknown:
             raise BladesmithError(
                 f"unknown input names {sorted(unknown)}; the model's inputs are "
                 f"{', '.join(self.input_names)}"
             )
-        feeds.update(named)
         missing = [name for name in self.input_names if name not in feeds]
         if missing:
             raise BladesmithError(f"missing inputs: {', '.join(missing)}")
+        unknown = set(output_names or ()) - set(self.output_names)
+        if unknown:
+            raise BladesmithError(
+                f"unknown output names {sorted(unknown)}; the model's outputs are "
+                f"{', '.join(self.output_names)}"
+            )
         arrays = {name: _to_numpy(value) for name, value in feeds.items()}
         for expected in self.inputs:
             _check_input(expected, arrays[expected.name])
-        return self.inference_session.run(None, arrays)
+        return self.inference_session.run(output_names, arrays, run_options)
+
+    def _convention(self, got: str) -> str:
+        first = self.input_names[0] if self.input_names else "x"
+        return (
+            f"Session.run takes the model's inputs ({', '.join(self.input_names)}) as arrays, "
+            "in order or by name (run(x), run(name=x)), or ONNX Runtime's run(output_names, "
+            f"{{name: array}}) (run(None, {{'{first}': x}})); got {got}"
+        )
 
     def check_arguments(self, args: tuple, kwargs: dict | None = None) -> None:
         """Refuse, in one line, a call of the exported module whose non-tensor
@@ -295,6 +320,27 @@ def _describe(value) -> str:
         return f"a tensor of shape {tuple(value.shape)}"
     text = " ".join(repr(value).split())
     return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def _onnxruntime_form(inputs: tuple, named: dict) -> bool:
+    """Whether a call is InferenceSession.run's: (output names or None, {name: value}[,
+    run options])."""
+    return (
+        not named
+        and len(inputs) in (2, 3)
+        and (inputs[0] is None or _are_names(inputs[0]))
+        and isinstance(inputs[1], Mapping)
+    )
+
+
+def _are_names(value) -> bool:
+    return (
+        isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, str) for v in value)
+    )
+
+
+def _kind(value) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"
 
 
 def _is_array(value) -> bool:

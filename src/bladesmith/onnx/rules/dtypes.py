@@ -63,7 +63,7 @@ def _int64_constants(view: GraphView) -> list[str]:
     names = [n for n, init in view.initializers.items() if init.data_type == onnx.TensorProto.INT64]
     names += [
         output
-        for node in view.nodes
+        for node in view.all_nodes()
         if node.op_type == "Constant"
         for output in node.output
         if view.elem_type(output) == onnx.TensorProto.INT64

@@ -53,7 +53,10 @@ class Dataflow:
 
 
 class GraphView:
-    """The main graph of `model` after ONNX shape inference (the model is not changed)."""
+    """The graph of `model` after ONNX shape inference (the model is not changed). `nodes`
+    are the main graph's; producers, consumers, initializers and value infos cover the
+    If/Loop/Scan bodies too (ONNX names each value once in the whole model), so a rule
+    that starts from `all_nodes()` follows dataflow inside a body and out of it."""
 
     def __init__(self, model: onnx.ModelProto):
         self.model = model
@@ -63,20 +66,26 @@ class GraphView:
             inferred = model  # custom ops can defeat inference; rules use what is declared
         self.graph = inferred.graph
         self.nodes = list(self.graph.node)
+        graphs = _graphs(self.graph)
+        self._all_nodes = [node for graph in graphs for node in graph.node]
         self.producer: dict[str, onnx.NodeProto] = {
-            output: node for node in self.nodes for output in node.output if output
+            output: node for node in self._all_nodes for output in node.output if output
         }
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
-        for node in self.nodes:
+        for node in self._all_nodes:
             for name in node.input:
                 if name:
                     self.consumers.setdefault(name, []).append(node)
-        self.initializers = {init.name: init for init in self.graph.initializer}
+        # The main graph last: its declarations win over a body's for the same name.
+        self.initializers = {i.name: i for g in reversed(graphs) for i in g.initializer}
         self.value_info: dict[str, onnx.ValueInfoProto] = {
             info.name: info
-            for info in [*self.graph.input, *self.graph.value_info, *self.graph.output]
+            for graph in reversed(graphs)
+            for info in [*graph.input, *graph.value_info, *graph.output]
         }
         self.graph_inputs = [i for i in self.graph.input if i.name not in self.initializers]
+        # Values that come from outside their graph: the model's inputs, a body's inputs.
+        self.input_names = {i.name for g in graphs for i in g.input} - set(self.initializers)
         self._positions = {id(node): index for index, node in enumerate(self.nodes)}
         self.graph_output_names = {o.name for o in self.graph.output}
 
@@ -117,18 +126,10 @@ class GraphView:
 
     def all_nodes(self) -> list[onnx.NodeProto]:
         """Every node, those inside If/Loop/Scan bodies included."""
-        found: list[onnx.NodeProto] = []
-        pending = list(self.nodes)
-        while pending:
-            node = pending.pop(0)
-            found.append(node)
-            for attribute in node.attribute:
-                if attribute.type == onnx.AttributeProto.GRAPH:
-                    pending.extend(attribute.g.node)
-                elif attribute.type == onnx.AttributeProto.GRAPHS:
-                    for subgraph in attribute.graphs:
-                        pending.extend(subgraph.node)
-        return found
+        return list(self._all_nodes)
+
+    def in_main_graph(self, node: onnx.NodeProto) -> bool:
+        return id(node) in self._positions
 
     def label(self, node: onnx.NodeProto) -> str:
         """The node's name, or op type and position when the exporter left it unnamed."""
@@ -184,7 +185,7 @@ class GraphView:
     def shape_dataflows(self) -> list[Dataflow]:
         """For each shape input of each node (see SHAPE_INPUTS), the nodes feeding it."""
         flows = []
-        for node in self.nodes:
+        for node in self._all_nodes:
             if node.domain not in STANDARD_DOMAINS:
                 continue
             for index, role in SHAPE_INPUTS.get(node.op_type, {}).items():
@@ -195,15 +196,15 @@ class GraphView:
         return flows
 
     def upstream(self, tensor: str) -> tuple[tuple[onnx.NodeProto, ...], tuple[str, ...]]:
-        """Nodes whose values reach `tensor` (nearest first), and the graph inputs whose
-        values reach it. The walk stops at Shape/Size: their values are dimensions."""
+        """Nodes whose values reach `tensor` (nearest first), and the graph inputs (a
+        body's included) whose values reach it. The walk stops at Shape/Size: their values
+        are dimensions."""
         seen: dict[int, onnx.NodeProto] = {}
         inputs: list[str] = []
-        input_names = {i.name for i in self.graph_inputs}
         queue = deque([tensor])
         while queue:
             name = queue.popleft()
-            if name in input_names and name not in inputs:
+            if name in self.input_names and name not in inputs:
                 inputs.append(name)
             producer = self.producer.get(name)
             if producer is None or id(producer) in seen:
@@ -212,6 +213,16 @@ class GraphView:
             if producer.op_type not in SHAPE_READERS:
                 queue.extend(entry for entry in producer.input if entry)
         return tuple(seen.values()), tuple(inputs)
+
+
+def _graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
+    """`graph` and every If/Loop/Scan body in it, at any depth: the main graph first."""
+    found = [graph]
+    for node in graph.node:
+        for entry in node.attribute:
+            for body in [entry.g] if entry.type == onnx.AttributeProto.GRAPH else entry.graphs:
+                found.extend(_graphs(body))
+    return found
 
 
 def type_string(type_proto: onnx.TypeProto) -> str | None:

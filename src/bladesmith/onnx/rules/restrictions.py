@@ -78,11 +78,29 @@ def _met(view: GraphView, node: onnx.NodeProto, condition: dict) -> str | None:
         ]
         return f"output {', '.join(used)} is used" if used else None
     if "input_given" in condition:
-        given = [
-            node.input[i] for i in condition["input_given"] if i < len(node.input) and node.input[i]
-        ]
+        given = _inputs_at(node, condition["input_given"])
         return f"input {', '.join(given)} is given" if given else None
+    if "input_not_constant" in condition:
+        # A parser reads such an input as weights: an initializer or a Constant's output.
+        variable = [
+            name
+            for name in _inputs_at(node, condition["input_not_constant"])
+            if view.constant_value(name) is None
+        ]
+        return f"input {', '.join(variable)} is not a constant" if variable else None
+    if "input_nonzero" in condition:
+        nonzero = [
+            name
+            for name in _inputs_at(node, condition["input_nonzero"])
+            if (value := view.constant_value(name)) is not None and value.any()
+        ]
+        return f"input {', '.join(nonzero)} is not zero" if nonzero else None
     raise ValueError(f"unknown condition in {DATA_FILE.name}: {condition}")
+
+
+def _inputs_at(node: onnx.NodeProto, positions: list[int]) -> list[str]:
+    """The node's inputs at `positions` that are given (an optional one may be '')."""
+    return [node.input[i] for i in positions if i < len(node.input) and node.input[i]]
 
 
 RULES = (unsupported_usage,)

@@ -46,14 +46,17 @@ def dynamic_dims(view: GraphView, target: Target) -> list[Finding]:
 
 
 def zero_size_dims(view: GraphView, target: Target) -> list[Finding]:
-    """Tensors with a dimension that is 0, or that is 0 when the data selects nothing."""
+    """Data tensors with a dimension that is 0, or that is 0 when the data selects nothing.
+    An empty tensor no input's values reach is fixed when the engine is built, not data:
+    an empty constant standing for an omitted input (Resize's roi and scales in torch's
+    opset-11 exports), the shape of a 0-D tensor."""
     if not target.zero_dims:
         return []
     findings = []
     tensors = [*view.value_info, *view.initializers]
     for tensor in dict.fromkeys(tensors):
         shape = view.shape(tensor) or []
-        if 0 in shape:
+        if 0 in shape and view.upstream(tensor)[1]:
             producer = view.producer.get(tensor)
             findings.append(
                 _zero_finding(
@@ -63,7 +66,7 @@ def zero_size_dims(view: GraphView, target: Target) -> list[Finding]:
                     f"tensor '{tensor}' has shape {shape}: it is empty",
                 )
             )
-    for node in view.nodes:
+    for node in view.all_nodes():
         if node.op_type in DATA_DEPENDENT_SIZE:
             findings.append(
                 _zero_finding(
