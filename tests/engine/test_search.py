@@ -289,6 +289,19 @@ def test_models_given_as_torchscript_exported_program_and_file(tmp_path):
         bladesmith.save(optimized, tmp_path / "out.pt2")  # said, not "must end with .pt, .onnx"
 
 
+def test_a_frozen_torchscript_model_is_optimized(tmp_path):
+    # torch.jit.freeze drops the training flag (bladesmith's own .pt files are frozen).
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    path = tmp_path / "frozen.pt"
+    torch.jit.save(torch.jit.freeze(torch.jit.script(model)), str(path))
+    optimized, _, report = bladesmith.optimize(
+        path, device="cpu", test_data=[(x,)], config=QUICK, passes=[]
+    )
+    assert report.model_info["format"] == "TorchScript"
+    torch.testing.assert_close(optimized(x), model(x))
+
+
 def test_test_data_is_checked():
     with pytest.raises(ValueError, match="test_data"):
         bladesmith.optimize(Sleepy(), device="cpu", test_data=[], passes=[])

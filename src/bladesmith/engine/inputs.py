@@ -36,7 +36,7 @@ def working_copy(model, device: torch.device) -> tuple[nn.Module, dict]:
         kind = (
             "TorchScript" if isinstance(module, torch.jit.ScriptModule) else "torch.export program"
         )
-    was_training = module.training
+    was_training = getattr(module, "training", False)  # a frozen module has no flag
     in_eval_mode(module)
     tensors = [*module.parameters(), *module.buffers()]
     if any(tensor.device != device for tensor in tensors):
