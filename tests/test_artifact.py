@@ -98,7 +98,7 @@ def test_aoti_package_round_trip_on_cpu(tmp_path):
         with pytest.raises(BladesmithError) as refused:
             loaded(other)
         message = str(refused.value)
-        assert "\n" not in message and "runs [2, 3, 8, 8] float32 only" in message
+        assert "\n" not in message and "it runs [2, 3, 8, 8] float32 only" in message
         assert "AOTInductor compiled it for these shapes" in message
 
 
@@ -237,3 +237,60 @@ class Doubled(torch.nn.Module):
 
     def forward(self, x):
         return self.inner(x) * 2
+
+
+def test_a_reloaded_detector_is_judged_as_the_gate_judges_its_dtype(
+    tmp_path, detector, monkeypatch
+):
+    import dataclasses
+
+    from bladesmith import fresh_load
+    from bladesmith.artifact import reload_problem
+
+    optimized, spec, _ = detector
+    outputs = optimized(*optimized.example_args)
+    moved = [{**image, "scores": image["scores"] - 0.015} for image in outputs]
+    assert all(len(image["scores"]) for image in outputs)
+    monkeypatch.setattr(fresh_load, "run_saved", lambda path, args: (moved, None))
+    # float32 scores may move by 5e-3; bfloat16's by its rounding, as the gate allows.
+    assert "score moved by 0.015" in reload_problem(optimized, tmp_path / "x.pt2")
+    optimized.spec = dataclasses.replace(spec, dtype="bfloat16")
+    try:
+        assert reload_problem(optimized, tmp_path / "x.pt2") is None
+    finally:
+        optimized.spec = spec
+
+
+class BakedBatch(nn.Module):
+    """A graph that keeps its example's batch in ONNX: int() makes the size a constant."""
+
+    def forward(self, x):
+        return x.reshape(int(x.shape[0]), -1).sum(1)
+
+
+def test_an_onnx_whose_graph_keeps_its_batch_is_saved_with_that_batch(tmp_path):
+    x = torch.randn(2, 3, 4)
+    optimized, spec, _ = bladesmith.optimize(
+        BakedBatch(), device="cpu", test_data=[(x,)], config=QUICK, passes=[]
+    )
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "baked.onnx"))
+    torch.testing.assert_close(loaded(x), x.sum((1, 2)))
+    with pytest.raises(BladesmithError, match=r"exported for \(2, 3, 4\) float32 \(every size"):
+        loaded(x[:1])  # not ONNX Runtime's error from the middle of the graph
+
+
+def test_a_detector_refuses_images_of_another_size_or_dtype_in_process_and_loaded(
+    tmp_path, detector
+):
+    optimized, _, photos = detector
+    (photo,) = photos[:1]
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "detector.pt"))
+    bigger = torch.nn.functional.pad(photo, (0, 8, 0, 8))
+    as_uint8 = (photo * 255).to(torch.uint8)
+    # Their traces have no size check: resized and normalised as if of their own size,
+    # such images got detections with nothing to do with them.
+    for module in (optimized, loaded):
+        for image, got in ((bigger, f"{bigger.shape[1]}, {bigger.shape[2]}] float32"),
+                           (as_uint8, "uint8")):  # fmt: skip
+            with pytest.raises(BladesmithError, match=rf"got \[1, 3, .*{got}, but it runs \[B, 3"):
+                module([image])

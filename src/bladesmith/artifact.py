@@ -90,8 +90,14 @@ class OptimizedModule(nn.Module):
     def from_candidate(cls, candidate, *, spec=None, output="native", example_args=None):
         # The model as given (nothing applied) runs as its own forward, through nothing.
         untouched = not candidate.applied and candidate.runner is None
+        run = candidate.module if untouched else candidate
+        if candidate.family is not None and example_args is not None:
+            # Its trace or graph has no size check (Python's is not traced): images of
+            # another size or dtype would be resized and normalised as if of its own.
+            why = "its fixed-shape pipeline was built for images of this size"
+            run = Checked(run, BuiltFor.of(example_args, free_batch=True, why=why), "images")
         return cls(
-            candidate.module if untouched else candidate,
+            run,
             device=candidate.device,
             family=candidate.family,
             output=output,
@@ -253,17 +259,19 @@ def reload_problem(optimized: OptimizedModule, path: Path) -> str | None:
     new process, or its outputs on the example input differ past the spec's tolerance
     there), or None when it is."""
     from bladesmith.fresh_load import run_saved
-    from bladesmith.verify import compare_outputs
+    from bladesmith.verify import compare_outputs, detection_score_tolerance
 
     got, problem = run_saved(path, optimized.example_args)
     if problem is not None:
         return f"it does not load back: {problem}"
-    tolerance = optimized.spec.tolerance
+    spec = optimized.spec
+    rtol, atol = spec.tolerance.get("rtol"), spec.tolerance.get("atol")
+    # Detection scores as the gate judged them: what the dtype computed in may move them.
+    score_atol = detection_score_tolerance(getattr(torch, spec.dtype))
+    if rtol is not None and atol is not None:
+        score_atol = max(score_atol, rtol + atol)
     comparison = compare_outputs(
-        optimized(*optimized.example_args),
-        got,
-        rtol=tolerance.get("rtol"),
-        atol=tolerance.get("atol"),
+        optimized(*optimized.example_args), got, rtol=rtol, atol=atol, score_atol=score_atol
     )
     return None if comparison.passed else f"loaded back, its outputs differ: {comparison.summary()}"
 
@@ -401,6 +409,10 @@ def _write_onnx(module, args: tuple, path: Path, metadata: dict) -> None:
     import onnx
 
     output_spec, none_outputs = export_onnx(module, args, path)
+    if not follows_the_batch(cpu_runner(path, output_spec, none_outputs), module, args):
+        # Its graph keeps the example's batch somewhere (a Reshape of an R-CNN's boxes):
+        # a fixed batch, which ONNX Runtime then refuses in one line, not mid-graph.
+        output_spec, none_outputs = export_onnx(module, args, path, dynamic_batch=False)
     model = onnx.load(str(path))
     entry = model.metadata_props.add()
     entry.key = METADATA_KEY

@@ -388,6 +388,9 @@ def session(
             Path(provider_options["trt_engine_cache_path"]).mkdir(parents=True, exist_ok=True)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # Fatal only: every failure also raises, and is said once, in bladesmith's words (its
+    # log would print a coloured copy of each, also for the batches a save only probes).
+    options.log_severity_level = 4
     if threads is not None:
         options.intra_op_num_threads = threads
     for name, value in plan.session_settings.items():

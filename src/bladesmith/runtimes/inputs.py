@@ -75,7 +75,7 @@ class BuiltFor:
         ):
             return None
         return (
-            f"got {_describe(got)}, but this artifact runs {self.describe()} only ({self.why}): "
+            f"got {_describe(got)}, but it runs {self.describe()} only ({self.why}): "
             "pass inputs like those, or optimize with test data like yours and save again"
         )
 
