@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from serve_testing import optimized_net
+import torch
+from serve_testing import QUICK, ScaleClips, optimized_net
 
 import bladesmith
 
@@ -27,3 +28,15 @@ def detector_artifact(tmp_path_factory):
     optimized, _, photos = optimized_tiny_detector()
     path = bladesmith.save(optimized, tmp_path_factory.mktemp("detector") / "detector.pt")
     return path, photos
+
+
+@pytest.fixture(scope="session")
+def user_op_artifact(user_library, tmp_path_factory):
+    """A TorchScript model calling the user's operator, saved as scaled.pt (its library in
+    scaled.pt.libs/); and the model."""
+    model = torch.jit.script(ScaleClips().eval())
+    x = torch.randn(4, 6)
+    optimized, _, _ = bladesmith.optimize(
+        model, device="cpu", test_data=[(x,)], config=QUICK, passes=[]
+    )
+    return bladesmith.save(optimized, tmp_path_factory.mktemp("scaled") / "scaled.pt"), model

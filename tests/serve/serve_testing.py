@@ -1,5 +1,5 @@
-"""What the serving tests share: the tiny net and its reference weights, free loopback
-ports."""
+"""What the serving tests share: the tiny net and its reference weights, a model calling
+the user's operator, free loopback ports."""
 
 from __future__ import annotations
 
@@ -53,3 +53,15 @@ def optimized_net():
         tiny_net(), device="cpu", test_data=[(x,)], config=QUICK, passes=[]
     )
     return optimized
+
+
+class ScaleClips(nn.Module):
+    """A linear layer, then the user's operator (tests/conftest.py's ``user_library``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 4)
+
+    def forward(self, x):
+        return torch.ops.userops_test.scale_clip(self.linear(x), 2.0, 1.5)

@@ -157,6 +157,30 @@ def test_a_bladesmith_artifact_loads_in_the_repository_as_written(net_artifacts,
     assert bladesmith.load(copied).spec.input_shapes == ((NET_BATCH, 3, 8, 8),)
 
 
+def test_a_python_repository_holds_the_operator_libraries_saved_with_the_artifact(
+    user_op_artifact, user_library, tmp_path
+):
+    """The repository runs elsewhere: the libraries are copied beside the artifact, and
+    bladesmith.load in a new process (as each model instance) loads them from there."""
+    import subprocess
+    import sys
+
+    path, model = user_op_artifact
+    model_dir = write_repository(path, tmp_path / "repo", backend="python")
+    copied = model_dir / "1" / "scaled.pt.libs"
+    assert (copied / user_library.name).is_file() and not copied.is_symlink()
+    assert "(scaled.pt.libs/)" in (tmp_path / "repo" / "README.md").read_text()
+    x = torch.rand(4, 6)
+    code = (
+        "import sys, torch, bladesmith; m = bladesmith.load(sys.argv[1]); "
+        "torch.save(m(torch.load(sys.argv[2])), sys.argv[3])"
+    )
+    torch.save(x, tmp_path / "x.pt")
+    arguments = [model_dir / "1" / "scaled.pt", tmp_path / "x.pt", tmp_path / "y.pt"]
+    subprocess.run([sys.executable, "-c", code, *map(str, arguments)], check=True)
+    torch.testing.assert_close(torch.load(tmp_path / "y.pt"), model(x))
+
+
 def test_a_backend_that_cannot_run_the_file_is_refused_in_one_line(net_artifacts, tmp_path, capsys):
     repo = tmp_path / "repo"
     aoti = tmp_path / "net.pt2"

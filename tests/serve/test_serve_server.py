@@ -267,6 +267,21 @@ def test_a_detector_served_as_uint8_answers_a_float_image_and_a_load_test(detect
         assert (row.answered, row.wrong, row.failed) == (12, 0, 0)
 
 
+def test_serve_loads_the_operator_libraries_saved_beside_the_artifact(user_op_artifact):
+    # No --load-library: each model instance, a process of its own, loads scaled.pt.libs/
+    # as bladesmith.load does anywhere.
+    path, model = user_op_artifact
+    http, grpc, metrics = free_ports(3)
+    x = np.random.default_rng(0).standard_normal((3, 6), dtype=np.float32)
+    with bladesmith.serve(
+        path, http_port=http, grpc_port=grpc, metrics_port=metrics, block=False
+    ) as server:
+        with bladesmith.client(server.url, "scaled") as client:
+            answers = client(x)
+    got = torch.stack([answer["output_0"] for answer in answers])
+    torch.testing.assert_close(got, model(torch.from_numpy(x)))
+
+
 def test_serve_says_in_one_line_what_is_wrong(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "missing.pt2")]) == 2
     err = capsys.readouterr().err

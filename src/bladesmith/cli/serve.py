@@ -86,7 +86,8 @@ def add_deployment_options(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="LIB",
-        help="an operator library the artifact needs, loaded first (repeatable)",
+        help="an operator library the artifact needs besides those saved with it "
+        "(ARTIFACT.libs/, used without this flag), loaded first (repeatable)",
     )
     parser.add_argument(
         "--max-batch",

@@ -30,6 +30,7 @@ import numpy as np
 
 from bladesmith._files import write_atomically
 from bladesmith.errors import BladesmithError, NotAnArtifactError
+from bladesmith.ops import libraries as operator_libraries
 from bladesmith.serve.signature import TRITON_DTYPES, Signature, TensorSpec
 from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 
@@ -168,11 +169,17 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
     del loaded
     if gpus is not None:
         torch.cuda.empty_cache()  # the instances load their own copies; this one is done
-    target = version_dir / artifact.name
+    # The operator libraries saved with the artifact go beside it, where bladesmith.load
+    # finds them in each model instance.
+    folder = operator_libraries.stored(artifact)
     if link:
-        target.symlink_to(artifact)
+        (version_dir / artifact.name).symlink_to(artifact)
+        if folder is not None:
+            (version_dir / folder.name).symlink_to(folder)
     else:
-        shutil.copy2(artifact, target)
+        shutil.copy2(artifact, version_dir / artifact.name)
+        if folder is not None:
+            shutil.copytree(folder, version_dir / folder.name)
     shutil.copy2(Path(__file__).with_name("python_model.py"), version_dir / "model.py")
     for library in libraries:
         shutil.copy2(library, version_dir / library.name)
@@ -205,6 +212,7 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
         "python": sys.executable,
         "libdir": sysconfig.get_config_var("LIBDIR"),
         "bindir": str(Path(sys.executable).parent),
+        "stored_libraries": folder.name if folder is not None else None,
         "preload": [],
     }
 
@@ -456,6 +464,8 @@ def _section(model: dict) -> str:
     name, backend = model["name"], model["backend"]
     if backend == "python":
         body = _PYTHON_SECTION.format(**model)
+        if model.get("stored_libraries"):
+            body += _STORED_LIBRARIES.format(folder=model["stored_libraries"])
     elif backend == "pytorch_libtorch":
         libraries = [item.rsplit("/", 1)[-1] for item in model["preload"]]
         if model.get("bladesmith_ops"):
@@ -499,6 +509,12 @@ The interpreter's own libpython goes first on LD_LIBRARY_PATH: the backend's stu
 otherwise load the system's, which fails with a Python built elsewhere. Triton's Python
 backend stub must match the interpreter's version (nvidia-pytriton bundles a server with
 one per version: `bladesmith serve ARTIFACT` uses it and sets all this for you).
+"""
+
+_STORED_LIBRARIES = """
+The operator libraries saved with the artifact are beside it ({folder}/), and each model
+instance loads them with it (libraries given with --load-library are listed in
+config.pbtxt and loaded first).
 """
 
 _TORCHSCRIPT_SECTION = """TorchScript: {uses}
