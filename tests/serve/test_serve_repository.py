@@ -13,13 +13,14 @@ from onnx import TensorProto, helper
 
 pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton (bladesmith[serve])")
 
-from serve_testing import NET_BATCH, free_ports, tiny_net  # noqa: E402
+from serve_testing import NET_BATCH, QUICK, free_ports, tiny_net  # noqa: E402
 
 import bladesmith  # noqa: E402
 from bladesmith.cli import main  # noqa: E402
 from bladesmith.errors import BladesmithError  # noqa: E402
 from bladesmith.serve.repository import signature_from_config, write_repository  # noqa: E402
 from bladesmith.serve.server import Server  # noqa: E402
+from engine_testing import USER_OPERATOR  # noqa: E402
 
 
 def config_of(model_dir):
@@ -260,21 +261,23 @@ def test_the_launch_line_preloads_each_libtorch_models_libraries_by_absolute_pat
     for name in ("det", "plain"):
         (repo / name / "1").mkdir(parents=True)
     _update_readme(repo, "det", {"backend": "pytorch_libtorch", "torch_version": "2.6.0",
-                                 "bladesmith_ops": True,
+                                 "operators": ["bladesmith::retinanet_postprocess"],
                                  "preload": ["det/1/libbladesmith_ops.so"]})  # fmt: skip
     _update_readme(repo, "plain", {"backend": "pytorch_libtorch", "torch_version": "2.6.0",
-                                   "bladesmith_ops": False, "preload": []})  # fmt: skip
+                                   "operators": [], "preload": []})  # fmt: skip
     readme = (repo / "README.md").read_text()
     assert f"REPO={repo.resolve()}\n" in readme
     assert "LD_PRELOAD=$REPO/det/1/libbladesmith_ops.so \\\n" in readme
     det, plain = readme.split("## det (")[1].split("## plain (")
-    assert "calls bladesmith's custom operators" in det
-    assert "calls no custom operator" in plain and "bladesmith's" not in plain
+    assert "calls the custom operators bladesmith::retinanet_postprocess" in det
+    assert "calls no custom operator" in plain and "bladesmith::" not in plain
 
 
-def test_bladesmith_operator_calls_are_found_in_torchscript(net_artifacts, tmp_path):
+def test_the_custom_operators_a_torchscript_file_calls_are_found(
+    net_artifacts, user_op_artifact, tmp_path
+):
     from bladesmith import ops
-    from bladesmith.serve.repository import calls_bladesmith_ops
+    from bladesmith.serve.repository import custom_operators
 
     ops.load_library()
 
@@ -284,5 +287,74 @@ def test_bladesmith_operator_calls_are_found_in_torchscript(net_artifacts, tmp_p
 
     path = tmp_path / "winograd.pt"
     torch.jit.script(Winograd()).save(str(path))
-    assert calls_bladesmith_ops(path)
-    assert not calls_bladesmith_ops(net_artifacts[".pt"])
+    assert custom_operators(path) == {"bladesmith::winograd_conv3x3"}
+    assert custom_operators(user_op_artifact[0]) == {USER_OPERATOR}
+    assert custom_operators(net_artifacts[".pt"]) == set()
+
+
+def test_a_libtorch_repository_preloads_the_users_operator_library(
+    user_op_artifact, user_library, tmp_path
+):
+    import subprocess
+    import sys
+
+    path, model = user_op_artifact
+    repo = tmp_path / "repo"
+    # Found from what the model calls: the library saved beside it, no flag needed.
+    assert main(["export", "triton", str(path), str(repo), "--backend", "pytorch_libtorch"]) == 0
+    version = repo / "scaled" / "1"
+    assert sorted(file.name for file in version.iterdir()) == ["model.pt", user_library.name]
+    readme = (repo / "README.md").read_text()
+    preload = f"LD_PRELOAD=$REPO/scaled/1/{user_library.name} \\\n"
+    assert f'{preload}    tritonserver --model-repository "$REPO"' in readme
+    assert f"calls the custom operators {USER_OPERATOR}; the operator libraries" in readme
+    # What Triton does with it: the library loaded (preloaded), then model.pt, new process.
+    x = torch.rand(4, 6)
+    torch.save(x, tmp_path / "x.pt")
+    code = (
+        "import sys, torch; torch.ops.load_library(sys.argv[1]); "
+        "torch.save(torch.jit.load(sys.argv[2])(torch.load(sys.argv[3])), sys.argv[4])"
+    )
+    files = [version / user_library.name, version / "model.pt", tmp_path / "x.pt"]
+    subprocess.run(
+        [sys.executable, "-c", code, *map(str, files), str(tmp_path / "y.pt")], check=True
+    )
+    torch.testing.assert_close(torch.load(tmp_path / "y.pt"), model(x))
+    # The same library given with --load-library too: copied and preloaded once.
+    again = [
+        "--backend",
+        "pytorch_libtorch",
+        "--name",
+        "again",
+        "--load-library",
+        str(user_library),
+    ]
+    assert main(["export", "triton", str(path), str(repo), *again]) == 0
+    assert sorted(file.name for file in (repo / "again" / "1").iterdir()) == sorted(
+        file.name for file in version.iterdir()
+    )
+
+
+# An operator registered from Python, as the user's own code may (no library file).
+_PYTHON_OPS = torch.library.Library("pyops_test", "DEF")
+_PYTHON_OPS.define("twice(Tensor x) -> Tensor")
+_PYTHON_OPS.impl("twice", lambda x: x * 2, "CompositeExplicitAutograd")
+
+
+def test_a_libtorch_repository_of_an_operator_registered_from_python_is_refused(tmp_path, capsys):
+    class Twice(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.pyops_test.twice(x)
+
+    x = torch.rand(2, 3)
+    optimized, _, _ = bladesmith.optimize(
+        torch.jit.script(Twice()), device="cpu", test_data=[(x,)], config=QUICK, passes=[]
+    )
+    path = bladesmith.save(optimized, tmp_path / "twice.pt")
+    capsys.readouterr()  # optimize's progress
+    repo = tmp_path / "repo"
+    assert main(["export", "triton", str(path), str(repo), "--backend", "pytorch_libtorch"]) == 2
+    err = capsys.readouterr().err
+    assert "twice.pt calls pyops_test::twice, which no loaded library file defines" in err
+    assert "--load-library" in err and len(err.strip().splitlines()) == 1
+    assert not (repo / "twice").exists()

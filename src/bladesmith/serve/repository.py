@@ -1,8 +1,10 @@
 """Triton model repositories for bladesmith artifacts (``bladesmith export triton``).
 
     REPO/NAME/config.pbtxt
-    REPO/NAME/1/model.py + the artifact          (python: any artifact, batches into buckets)
-    REPO/NAME/1/model.pt + libbladesmith_ops.so  (pytorch_libtorch: TorchScript)
+    REPO/NAME/1/model.py + the artifact          (python: any artifact, batches into buckets;
+                                                  ARTIFACT.libs/ beside it)
+    REPO/NAME/1/model.pt + the operator libraries it calls, preloaded
+                                                 (pytorch_libtorch: TorchScript)
     REPO/NAME/1/model.onnx                       (onnxruntime: standard ONNX)
     REPO/README.md                               (how to start tritonserver on it: one
                                                   section per model, merged by name)
@@ -261,17 +263,20 @@ def _torchscript_model(artifact, version_dir, deployment, libraries):
     from bladesmith import ops
     from bladesmith.serve.signature import signature_of
 
-    libraries = [_library(library) for library in libraries]
-    for library in libraries:
+    given = [_library(library) for library in libraries]
+    for library in given:
         torch.ops.load_library(str(library))
-    loaded = bladesmith.load(artifact)  # builds and loads bladesmith's operators
-    uses_ops = calls_bladesmith_ops(artifact)
-    if uses_ops:
-        libraries.insert(0, Path(ops.library_path()))
+    # Builds and loads bladesmith's operators, and the libraries saved beside the artifact.
+    loaded = bladesmith.load(artifact)
+    operators = custom_operators(artifact)
+    preload = [Path(ops.library_path())] if any(_is_bladesmiths(op) for op in operators) else []
+    preload += given
+    preload += [found.path for found in _libraries_defining(operators, artifact)]
+    preload = list(dict.fromkeys(preload))  # a --load-library that defines them: once
     gpus = _gpus(artifact, loaded.device, deployment.device)
     signature = signature_of(loaded)
     shutil.copy2(artifact, version_dir / "model.pt")
-    for library in libraries:
+    for library in preload:
         shutil.copy2(library, version_dir / library.name)
     # Triton's libtorch backend binds tensors by position: NAME__INDEX.
     stems = ("INPUT", "OUTPUT") if not signature.detections else (None, None)
@@ -291,23 +296,48 @@ def _torchscript_model(artifact, version_dir, deployment, libraries):
     return config + "\n", {
         "backend": "pytorch_libtorch",
         "torch_version": torch.__version__.split("+")[0],
-        "bladesmith_ops": uses_ops,
-        "preload": [f"{folder}/{library.name}" for library in libraries],
+        "operators": sorted(operators),
+        "preload": [f"{folder}/{library.name}" for library in preload],
     }
 
 
-def calls_bladesmith_ops(artifact: Path) -> bool:
-    """Whether a TorchScript file calls bladesmith's operators (``ops.bladesmith.*`` in
-    its code)."""
-    try:
-        with zipfile.ZipFile(artifact) as archive:
-            return any(
-                b"ops.bladesmith." in archive.read(entry)
-                for entry in archive.namelist()
-                if "/code/" in entry and entry.endswith(".py")
-            )
-    except (OSError, zipfile.BadZipFile):
-        return True  # unknown: keep the library beside it
+_OPERATOR_CALL = re.compile(rb"\bops\.(\w+)\.(\w+)")
+
+
+def custom_operators(artifact: Path) -> set[str]:
+    """The custom operators a TorchScript file calls, bladesmith's and the user's
+    (``ops.NAMESPACE.NAME`` in its code), as ``NAMESPACE::NAME``."""
+    with zipfile.ZipFile(artifact) as archive:
+        code = [
+            archive.read(entry)
+            for entry in archive.namelist()
+            if "/code/" in entry and entry.endswith(".py")
+        ]
+    called = {
+        f"{namespace.decode()}::{name.decode()}"
+        for text in code
+        for namespace, name in _OPERATOR_CALL.findall(text)
+    }
+    return {op for op in called if _is_bladesmiths(op) or operator_libraries.is_user_operator(op)}
+
+
+def _is_bladesmiths(operator: str) -> bool:
+    return operator.startswith("bladesmith::")
+
+
+def _libraries_defining(operators, artifact: Path) -> list:
+    """The loaded libraries that define the user's ``operators``; one line for an operator
+    that none does (registered from Python: Triton cannot preload it)."""
+    users = {op for op in operators if not _is_bladesmiths(op)}
+    found = operator_libraries.libraries_of(users)
+    unfound = sorted(users.difference(*(library.operators for library in found)))
+    if unfound:
+        raise BladesmithError(
+            f"export triton: {artifact.name} calls {', '.join(unfound)}, which no loaded "
+            "library file defines (registered from Python?); Triton's libtorch backend "
+            "preloads compiled libraries: pass the one that registers it with --load-library"
+        )
+    return found
 
 
 def _onnx_model(artifact, version_dir, deployment):
@@ -467,17 +497,13 @@ def _section(model: dict) -> str:
         if model.get("stored_libraries"):
             body += _STORED_LIBRARIES.format(folder=model["stored_libraries"])
     elif backend == "pytorch_libtorch":
-        libraries = [item.rsplit("/", 1)[-1] for item in model["preload"]]
-        if model.get("bladesmith_ops"):
+        libraries = ", ".join(item.rsplit("/", 1)[-1] for item in model["preload"])
+        operators = ", ".join(model.get("operators", []))
+        if libraries:
+            calls = f"it calls the custom operators {operators}; " if operators else ""
             uses = (
-                "it calls bladesmith's custom operators, compiled into "
-                f"{', '.join(libraries)} beside it (with any --load-library), which the "
-                "launch line above preloads (LD_PRELOAD)."
-            )
-        elif libraries:
-            uses = (
-                f"it needs the operator libraries {', '.join(libraries)} (--load-library) "
-                "beside it, which the launch line above preloads (LD_PRELOAD)."
+                f"{calls}the operator libraries {libraries} are beside it (with any "
+                "--load-library), and the launch line above preloads them (LD_PRELOAD)."
             )
         else:
             uses = "it calls no custom operator, so nothing is preloaded for it."
