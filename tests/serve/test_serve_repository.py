@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton (bladesmith[serve])")
 
-from serve_testing import NET_BATCH, QUICK, free_ports, tiny_net  # noqa: E402
+from serve_testing import NET_BATCH, QUICK, VOCABULARY, free_ports, tiny_net  # noqa: E402
 
 import bladesmith  # noqa: E402
 from bladesmith.cli import main  # noqa: E402
@@ -50,6 +50,37 @@ def test_torchscript_repository_declares_the_models_real_tensors(net_artifacts, 
     assert "LD_PRELOAD" not in readme and "calls no custom operator" in readme
     assert "bladesmith's custom operators" not in readme
     assert 'platform: "pytorch_libtorch"' in (model_dir / "config.pbtxt").read_text()
+
+
+def test_repositories_declare_the_dtypes_the_artifact_records(typed_artifacts, tmp_path):
+    import json
+
+    tagger, _ = typed_artifacts["tagger.pt"]
+    native = config_of(write_repository(tagger, tmp_path / "repo", name="native"))
+    assert [(i.name, i.dtype, i.dims) for i in native.inputs] == [
+        ("INPUT__0", np.int64, (NET_BATCH, 7)),
+        ("INPUT__1", np.float32, (NET_BATCH, 7)),
+    ]
+    python = write_repository(tagger, tmp_path / "repo", name="python", backend="python")
+    assert [(i.dtype, i.dims) for i in config_of(python).inputs] == [
+        (np.int64, (7,)),
+        (np.float32, (7,)),
+    ]
+    # The ids' values in the test data, for a load test's rows (the mask has none).
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    text = (python / "config.pbtxt").read_text()
+    parameters = text_format.Parse(text, model_config_pb2.ModelConfig()).parameters
+    [(name, (low, high))] = json.loads(parameters["input_ranges"].string_value).items()
+    assert name == "input_0" and 0 <= low < high < VOCABULARY
+    # One value per row (the lengths): [1] per row to the Python backend, [B] whole.
+    laststep, _ = typed_artifacts["laststep.pt"]
+    native = config_of(write_repository(laststep, tmp_path / "repo", name="lengths"))
+    assert [(i.dtype, i.dims) for i in native.inputs] == [
+        (np.float64, (NET_BATCH, 6, 5)),
+        (np.int64, (NET_BATCH,)),
+    ]
 
 
 def test_onnx_repository_declares_the_models_real_tensors(net_artifacts, tmp_path):

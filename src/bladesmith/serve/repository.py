@@ -33,7 +33,7 @@ import numpy as np
 from bladesmith._files import write_atomically
 from bladesmith.errors import BladesmithError, NotAnArtifactError
 from bladesmith.ops import libraries as operator_libraries
-from bladesmith.serve.signature import TRITON_DTYPES, Signature, TensorSpec
+from bladesmith.serve.signature import NUMPY_DTYPES, TRITON_DTYPES, Signature, TensorSpec
 from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 
 BACKENDS = ("python", "pytorch_libtorch", "onnxruntime")
@@ -192,6 +192,10 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
         "torch_threads": str(deployment.torch_threads),
         "image_dtype": deployment.image_dtype,
         "compute_dtype": compute_dtype,
+        # What a client's test rows of an integer input draw from (loadtest).
+        "input_ranges": json.dumps(
+            {spec.name: spec.values for spec in signature.inputs if spec.values is not None}
+        ),
     }
     if link:
         parameters["bladesmith_source"] = str(Path(bladesmith.__file__).parent.parent)
@@ -422,11 +426,10 @@ def signature_from_config(config_text: str) -> Signature:
     from tritonclient.grpc import model_config_pb2
 
     config = text_format.Parse(config_text, model_config_pb2.ModelConfig())
-    by_triton = {triton: dtype for dtype, triton in TRITON_DTYPES.items()}
 
     def spec(tensor):
         dtype = model_config_pb2.DataType.Name(tensor.data_type).removeprefix("TYPE_")
-        return TensorSpec(tensor.name, by_triton[dtype], tuple(tensor.dims))
+        return TensorSpec(tensor.name, NUMPY_DTYPES[dtype], tuple(tensor.dims))
 
     return Signature(
         tuple(spec(t) for t in config.input),
