@@ -562,6 +562,33 @@ def test_the_client_sends_other_inputs_in_their_served_dtypes():
         client._rows(np.zeros((2, 6), np.int64), 0)
 
 
+def test_the_load_tests_rows_of_an_integer_input_stay_in_its_range_or_are_refused():
+    from bladesmith.serve.loadtest import _distinct_rows
+
+    client = _client(None, inputs=[("input_0", "INT64", [-1, 7]), ("input_1", "FP32", [-1, 7])])
+    client.input_ranges = {"input_0": (3, 9)}
+    rows = _distinct_rows(client, 16, seed=0)
+    ids = np.concatenate([row[0] for row in rows])
+    assert ids.dtype == np.int64 and ids.min() == 3 and ids.max() == 9
+    assert len({row[0].tobytes() for row in rows}) == 16  # a mix-up shows
+    client.input_ranges = {}  # a server that does not say: random ids could index nothing
+    with pytest.raises(BladesmithError) as refused:
+        _distinct_rows(client, 16, seed=0)
+    assert str(refused.value) == (
+        "loadtest: m's input 'input_0' is INT64, and the server does not say which values "
+        "it takes (bladesmith serve's models do): load test it served by bladesmith serve"
+    )
+
+
+def test_an_answer_with_nan_where_its_reference_has_nan_is_the_same():
+    from bladesmith.serve.answers import comparison
+
+    same = comparison("float32")
+    reference = {"output_0": np.array([[np.nan, 1.0]], np.float32)}
+    assert same({"output_0": reference["output_0"].copy()}, reference)
+    assert not same({"output_0": np.array([[0.0, 1.0]], np.float32)}, reference)
+
+
 def test_a_detectors_test_rows_are_photographs_whose_answers_tell_rows_apart(detector_artifact):
     # Random pixels draw nearly the same detections from a detector whatever they are
     # (RetinaNet at 480x640: F1 0.73-0.8 between two rows), so the load test's and the
