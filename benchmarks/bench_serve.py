@@ -38,14 +38,14 @@ import torch
 import bladesmith
 from bladesmith._files import write_atomically
 from bladesmith.serve.loadtest import loadtest
-from bladesmith.serve.signature import INPUT_DTYPE, module_runner
+from bladesmith.serve.signature import module_runner
 
 
 def in_process_images_per_second(module, seconds: float) -> float:
     shapes = module.spec.input_shapes
     batch = shapes[0][0]
     inputs = [
-        torch.from_numpy(np.random.default_rng(0).random(s, dtype=INPUT_DTYPE)) for s in shapes
+        torch.from_numpy(np.random.default_rng(0).random(s, dtype=np.float32)) for s in shapes
     ]
     run = module_runner(module)
     synchronize = torch.cuda.synchronize if module.device.type == "cuda" else (lambda: None)

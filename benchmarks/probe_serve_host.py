@@ -58,7 +58,7 @@ def breakdown(runner: BucketRunner, rows: int, repeats: int = 20) -> dict[str, f
 
     for _ in range(repeats):
         timed("check", lambda: [runner.signature.check(r) for r in requests])
-        timed("stage", lambda: _stage(staging, [r for r in requests]))
+        timed("stage", lambda: _stage(staging, [r for r in requests], runner.signature.inputs))
         moved = timed(
             "to device, x/255",
             lambda: [as_served(t.to(device, non_blocking=True)) for t in staging],

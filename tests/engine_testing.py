@@ -1,7 +1,7 @@
 """Helpers shared by the engine's and the passes' tests: a small detector, a pass that
 makes any candidate fast, so that what the engine keeps does not depend on the machine's
-load, batch norms worth folding, the detector through chosen passes, and the mark of
-GPU-only tests."""
+load, batch norms worth folding, the detector through chosen passes, the mark of
+GPU-only tests, and a user's operator library (its source; tests/conftest.py builds it)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,24 @@ from bladesmith.config import Config
 from bladesmith.passes import Candidate, Context, Pass
 
 IMAGE_SIZE = (128, 160)
+
+# A user's operator library, as `TORCH_LIBRARY` + `torch.utils.cpp_extension` make one
+# (no fake kernel).
+USER_OPS_SOURCE = r"""
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+at::Tensor scale_clip(const at::Tensor& x, double scale, double limit) {
+  return (x * scale).clamp(-limit, limit);
+}
+
+TORCH_LIBRARY(userops_test, m) {
+  m.def("scale_clip(Tensor x, float scale, float limit) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(userops_test, CPU, m) { m.impl("scale_clip", scale_clip); }
+TORCH_LIBRARY_IMPL(userops_test, CUDA, m) { m.impl("scale_clip", scale_clip); }
+"""
+USER_OPERATOR = "userops_test::scale_clip"
 
 
 def cuda(test):

@@ -1,11 +1,12 @@
 """Spec: what ``optimize`` produced, in a few fields (PAI-Blade returns one too).
 
-It says where the optimized module runs (device, dtype), on what (the input shapes it
-was built and verified for), what it returns, which passes shaped it, the tolerance its
-outputs were verified at, and how to save it: ``save_formats`` are those that were
-saved, loaded back and gave outputs within that tolerance during ``optimize``;
-``untried_formats`` those too long to build then (``bladesmith.save`` builds them and
-checks them the same way); ``refused_formats`` the others, each with why.
+It says where the optimized module runs (device, dtype), on what (the input shapes and
+dtypes it was built and verified for), what it returns, which passes shaped it, the
+tolerance its outputs were verified at, and how to save it: ``save_formats`` are those
+that were saved, loaded back and gave outputs within that tolerance during
+``optimize``; ``untried_formats`` those too long to build then (``bladesmith.save``
+builds them and checks them the same way); ``refused_formats`` the others, each with
+why.
 ``to_dict()`` is JSON-ready.
 """
 
@@ -43,6 +44,11 @@ class Spec:
     refused_formats: dict[str, str] = dataclasses.field(default_factory=dict)  # suffix: why
     tolerance: dict = dataclasses.field(default_factory=dict)  # rtol, atol, why
     family: str | None = None  # the model's family (bladesmith.families), if one knew it
+    # Each input's dtype, and an integer input's lowest and highest value in the test data
+    # (None for the others): what a server takes and tests it with. Empty in artifacts
+    # saved before they were recorded.
+    input_dtypes: tuple[str, ...] = ()
+    input_ranges: tuple[tuple[int, int] | None, ...] = ()
 
     @property
     def save_hint(self) -> str:
@@ -59,6 +65,11 @@ class Spec:
         values["input_shapes"] = tuple(tuple(shape) for shape in values["input_shapes"])
         values["passes"] = tuple(values["passes"])
         values["save_formats"] = tuple(values["save_formats"])
+        values["input_dtypes"] = tuple(values.get("input_dtypes", ()))
+        values["input_ranges"] = tuple(
+            tuple(bounds) if bounds is not None else None
+            for bounds in values.get("input_ranges", ())
+        )
         return cls(**values)
 
     def to_dict(self) -> dict:

@@ -1,5 +1,6 @@
-"""The user's own operator library, end to end: built here with cpp_extension, called
-by a scripted model, optimized, saved, benchmarked and loaded in new processes."""
+"""The user's own operator library, end to end: built with cpp_extension (the session's
+``user_library``), called by a scripted model, optimized, saved, benchmarked and loaded
+in new processes."""
 
 from __future__ import annotations
 
@@ -16,23 +17,9 @@ from torch import nn
 
 from bladesmith.errors import BladesmithError
 from bladesmith.ops import libraries
+from engine_testing import USER_OPERATOR as OPERATOR
 from engine_testing import cuda
 
-_SOURCE = r"""
-#include <ATen/ATen.h>
-#include <torch/library.h>
-
-at::Tensor scale_clip(const at::Tensor& x, double scale, double limit) {
-  return (x * scale).clamp(-limit, limit);
-}
-
-TORCH_LIBRARY(userops_test, m) {
-  m.def("scale_clip(Tensor x, float scale, float limit) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(userops_test, CPU, m) { m.impl("scale_clip", scale_clip); }
-TORCH_LIBRARY_IMPL(userops_test, CUDA, m) { m.impl("scale_clip", scale_clip); }
-"""
-OPERATOR = "userops_test::scale_clip"
 SIZE = ["--input-size", "24x32", "--warmup", "0", "--iters", "2", "--device", "cpu"]
 
 
@@ -47,22 +34,7 @@ class UsesTheOperator(nn.Module):
 
 
 @pytest.fixture(scope="module")
-def library(tmp_path_factory) -> Path:
-    """The operator library, compiled and loaded in this process (no fake kernel)."""
-    from torch.utils.cpp_extension import load_inline
-
-    directory = tmp_path_factory.mktemp("userops")
-    load_inline(
-        "userops_test",
-        cpp_sources=[_SOURCE],
-        is_python_module=False,
-        build_directory=str(directory),
-    )
-    return directory / "userops_test.so"
-
-
-@pytest.fixture(scope="module")
-def model_file(library, tmp_path_factory) -> Path:
+def model_file(user_library, tmp_path_factory) -> Path:
     torch.manual_seed(0)
     model = UsesTheOperator().eval()
     with torch.no_grad():  # statistics a folded norm changes the weights by
@@ -110,19 +82,21 @@ def _compare_script(artifact: Path, model: Path, shape=(1, 3, 24, 32), tolerance
     )
 
 
-def test_the_operators_a_model_calls_come_from_the_library_that_registers_them(library, model_file):
+def test_the_operators_a_model_calls_come_from_the_library_that_registers_them(
+    user_library, model_file
+):
     model = torch.jit.load(str(model_file))
     operators = libraries.operators_called(model)
     assert operators == {OPERATOR}
-    assert libraries.libraries_of(operators) == [libraries.Library(library, (OPERATOR,))]
+    assert libraries.libraries_of(operators) == [libraries.Library(user_library, (OPERATOR,))]
     assert libraries.without_fake_kernel(operators) == [OPERATOR]
     eager = UsesTheOperator().eval()
     assert libraries.operators_called(eager, (torch.rand(1, 3, 8, 8),)) == {OPERATOR}
 
 
-def test_optimize_save_bench_and_load_in_new_processes(library, model_file, tmp_path):
+def test_optimize_save_bench_and_load_in_new_processes(user_library, model_file, tmp_path):
     out, report = tmp_path / "opt.pt", tmp_path / "report.json"
-    flags = ["--load-library", str(library), *SIZE]
+    flags = ["--load-library", str(user_library), *SIZE]
     result = _cli(
         "optimize",
         str(model_file),
@@ -135,7 +109,7 @@ def test_optimize_save_bench_and_load_in_new_processes(library, model_file, tmp_
     )
     assert result.returncode == 0, result.stderr
     saved = json.loads((tmp_path / "opt.pt.libs" / "libraries.json").read_text())
-    assert saved == [{"file": library.name, "operators": [OPERATOR]}]
+    assert saved == [{"file": user_library.name, "operators": [OPERATOR]}]
     data = json.loads(report.read_text())
     records = {record["name"]: record for record in data["optimizations"]}
     for name in ("torchscript", "channels_last"):  # applied to TorchScript, then judged
@@ -152,28 +126,30 @@ def test_optimize_save_bench_and_load_in_new_processes(library, model_file, tmp_
     loaded = _run("-c", _compare_script(out, model_file), cwd=tmp_path)
     assert loaded.returncode == 0 and "same outputs" in loaded.stdout, loaded.stderr
 
-    (tmp_path / "opt.pt.libs" / library.name).unlink()
+    (tmp_path / "opt.pt.libs" / user_library.name).unlink()
     error = _one_line_error(_cli("bench", str(out), cwd=tmp_path))
-    assert OPERATOR in error and library.name in error and "--load-library" in error
+    assert OPERATOR in error and user_library.name in error and "--load-library" in error
 
 
 def test_onnx_artifact_runs_the_operator_in_onnx_runtime_in_a_new_process(
-    library, model_file, tmp_path
+    user_library, model_file, tmp_path
 ):
     out = tmp_path / "opt.onnx"
-    flags = ["--load-library", str(library), "--onnx-op", OPERATOR, *SIZE]
+    flags = ["--load-library", str(user_library), "--onnx-op", OPERATOR, *SIZE]
     result = _cli("optimize", str(model_file), *flags, "--out", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     loaded = _run("-c", _compare_script(out, model_file), cwd=tmp_path)
     assert loaded.returncode == 0 and "same outputs" in loaded.stdout, loaded.stderr
 
 
-def test_export_with_an_onnxscript_lowering_runs_as_standard_onnx(library, model_file, tmp_path):
+def test_export_with_an_onnxscript_lowering_runs_as_standard_onnx(
+    user_library, model_file, tmp_path
+):
     script = textwrap.dedent(
         f"""
         import onnx, onnxscript, torch, bladesmith.onnx
         from onnxscript import opset17 as op
-        torch.ops.load_library({str(library)!r})
+        torch.ops.load_library({str(user_library)!r})
 
         @onnxscript.script(onnxscript.values.Opset("userops_test", 1))
         def ScaleClip(x, scale: float, limit: float):
@@ -197,7 +173,7 @@ def test_export_with_an_onnxscript_lowering_runs_as_standard_onnx(library, model
     assert result.returncode == 0 and "same outputs" in result.stdout, result.stderr
 
 
-def test_missing_library_and_missing_translation_are_one_line(library, model_file, tmp_path):
+def test_missing_library_and_missing_translation_are_one_line(user_library, model_file, tmp_path):
     error = _one_line_error(_cli("optimize", str(model_file), *SIZE, cwd=tmp_path))
     assert OPERATOR in error and "--load-library" in error
 
@@ -219,7 +195,7 @@ def test_missing_library_and_missing_translation_are_one_line(library, model_fil
         str(model_file),
         str(tmp_path / "m.onnx"),
         "--load-library",
-        str(library),
+        str(user_library),
         "--input-size",
         "24x32",
         cwd=tmp_path,
@@ -234,7 +210,7 @@ def test_missing_library_and_missing_translation_are_one_line(library, model_fil
     assert "\n" not in str(raised.value)
 
 
-def test_an_operator_without_fake_kernel_rules_out_pt2_with_a_reason(library, tmp_path):
+def test_an_operator_without_fake_kernel_rules_out_pt2_with_a_reason(user_library, tmp_path):
     import bladesmith
 
     torch.manual_seed(0)
@@ -249,7 +225,7 @@ def test_an_operator_without_fake_kernel_rules_out_pt2_with_a_reason(library, tm
         in (report.diagnosis["message"])
     )
     saved = bladesmith.save(optimized, tmp_path / "opt.pt")
-    assert (tmp_path / "opt.pt.libs" / library.name).is_file()
+    assert (tmp_path / "opt.pt.libs" / user_library.name).is_file()
     torch.testing.assert_close(bladesmith.load(saved)(images), optimized(images))
 
 
@@ -268,7 +244,7 @@ class LayersAfterTheOperator(nn.Module):
 
 
 @pytest.fixture
-def registered(library, monkeypatch):
+def registered(user_library, monkeypatch):
     """The operator's default ONNX translation, for this test only."""
     from bladesmith.onnx import user_ops
 
@@ -294,7 +270,9 @@ def test_layers_after_the_operator_export_and_run_in_onnx_runtime(registered, tm
 
 
 @cuda
-def test_a_scripted_model_with_the_operator_takes_the_gpu_passes(library, model_file, tmp_path):
+def test_a_scripted_model_with_the_operator_takes_the_gpu_passes(
+    user_library, model_file, tmp_path
+):
     import bladesmith
 
     model = torch.jit.load(str(model_file))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from serve_testing import optimized_net
+import torch
+from serve_testing import QUICK, LastStep, ScaleClips, Tagger, optimized_net, typed_inputs
 
 import bladesmith
 
@@ -27,3 +28,33 @@ def detector_artifact(tmp_path_factory):
     optimized, _, photos = optimized_tiny_detector()
     path = bladesmith.save(optimized, tmp_path_factory.mktemp("detector") / "detector.pt")
     return path, photos
+
+
+@pytest.fixture(scope="session")
+def user_op_artifact(user_library, tmp_path_factory):
+    """A TorchScript model calling the user's operator, saved as scaled.pt (its library in
+    scaled.pt.libs/); and the model."""
+    model = torch.jit.script(ScaleClips().eval())
+    x = torch.randn(4, 6)
+    optimized, _, _ = bladesmith.optimize(
+        model, device="cpu", test_data=[(x,)], config=QUICK, passes=[]
+    )
+    return bladesmith.save(optimized, tmp_path_factory.mktemp("scaled") / "scaled.pt"), model
+
+
+@pytest.fixture(scope="session")
+def typed_artifacts(tmp_path_factory):
+    """Models whose inputs are not all float32, saved: {file name: (path, model)} for
+    tagger.pt and tagger.onnx (int64 ids, float32 mask) and laststep.pt (float64, and
+    int64 one per row)."""
+    folder = tmp_path_factory.mktemp("typed")
+    saved = {}
+    for files, model in (((".pt", ".onnx"), Tagger()), ((".pt",), LastStep())):
+        model.eval()
+        optimized, _, _ = bladesmith.optimize(
+            model, device="cpu", test_data=[typed_inputs(model)], config=QUICK, passes=[]
+        )
+        for suffix in files:
+            name = f"{type(model).__name__.lower()}{suffix}"
+            saved[name] = (bladesmith.save(optimized, folder / name), model)
+    return saved

@@ -1,5 +1,5 @@
-"""What the serving tests share: the tiny net and its reference weights, free loopback
-ports."""
+"""What the serving tests share: the tiny net and its reference weights, models taking
+other dtypes than float32, a model calling the user's operator, free loopback ports."""
 
 from __future__ import annotations
 
@@ -53,3 +53,59 @@ def optimized_net():
         tiny_net(), device="cpu", test_data=[(x,)], config=QUICK, passes=[]
     )
     return optimized
+
+
+class ScaleClips(nn.Module):
+    """A linear layer, then the user's operator (tests/conftest.py's ``user_library``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 4)
+
+    def forward(self, x):
+        return torch.ops.userops_test.scale_clip(self.linear(x), 2.0, 1.5)
+
+
+VOCABULARY = 50
+
+
+class Tagger(nn.Module):
+    """Token ids (int64) and a float mask [B, T] in: the masked mean of the ids' embeddings
+    through a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(VOCABULARY, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids, mask):
+        pooled = (self.embedding(ids) * mask.unsqueeze(-1)).sum(1)
+        return self.head(pooled / mask.sum(1, keepdim=True).clamp(min=1))
+
+
+class LastStep(nn.Module):
+    """A float64 sequence [B, T, F] and each row's length (int64 [B]) in: the row's last
+    step through a float64 linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(5, 2).double()
+
+    def forward(self, x, lengths):
+        steps = (lengths - 1).view(-1, 1, 1).expand(-1, 1, x.size(2))
+        return self.linear(x.gather(1, steps).squeeze(1))
+
+
+def typed_inputs(model: nn.Module, rows: int = NET_BATCH, seed: int = 0) -> tuple:
+    """Inputs of ``Tagger`` or ``LastStep``: ids within the vocabulary and a 0/1 mask, or
+    a float64 sequence and lengths within it."""
+    generator = torch.Generator().manual_seed(seed)
+    if isinstance(model, Tagger):
+        ids = torch.randint(0, VOCABULARY, (rows, 7), generator=generator)
+        mask = (torch.rand(rows, 7, generator=generator) > 0.3).float()
+        return ids, mask
+    x = torch.randn(rows, 6, 5, generator=generator, dtype=torch.float64)
+    return x, torch.randint(1, 7, (rows,), generator=generator)

@@ -13,13 +13,14 @@ from onnx import TensorProto, helper
 
 pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton (bladesmith[serve])")
 
-from serve_testing import NET_BATCH, free_ports, tiny_net  # noqa: E402
+from serve_testing import NET_BATCH, QUICK, VOCABULARY, free_ports, tiny_net  # noqa: E402
 
 import bladesmith  # noqa: E402
 from bladesmith.cli import main  # noqa: E402
 from bladesmith.errors import BladesmithError  # noqa: E402
 from bladesmith.serve.repository import signature_from_config, write_repository  # noqa: E402
 from bladesmith.serve.server import Server  # noqa: E402
+from engine_testing import USER_OPERATOR  # noqa: E402
 
 
 def config_of(model_dir):
@@ -49,6 +50,37 @@ def test_torchscript_repository_declares_the_models_real_tensors(net_artifacts, 
     assert "LD_PRELOAD" not in readme and "calls no custom operator" in readme
     assert "bladesmith's custom operators" not in readme
     assert 'platform: "pytorch_libtorch"' in (model_dir / "config.pbtxt").read_text()
+
+
+def test_repositories_declare_the_dtypes_the_artifact_records(typed_artifacts, tmp_path):
+    import json
+
+    tagger, _ = typed_artifacts["tagger.pt"]
+    native = config_of(write_repository(tagger, tmp_path / "repo", name="native"))
+    assert [(i.name, i.dtype, i.dims) for i in native.inputs] == [
+        ("INPUT__0", np.int64, (NET_BATCH, 7)),
+        ("INPUT__1", np.float32, (NET_BATCH, 7)),
+    ]
+    python = write_repository(tagger, tmp_path / "repo", name="python", backend="python")
+    assert [(i.dtype, i.dims) for i in config_of(python).inputs] == [
+        (np.int64, (7,)),
+        (np.float32, (7,)),
+    ]
+    # The ids' values in the test data, for a load test's rows (the mask has none).
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    text = (python / "config.pbtxt").read_text()
+    parameters = text_format.Parse(text, model_config_pb2.ModelConfig()).parameters
+    [(name, (low, high))] = json.loads(parameters["input_ranges"].string_value).items()
+    assert name == "input_0" and 0 <= low < high < VOCABULARY
+    # One value per row (the lengths): [1] per row to the Python backend, [B] whole.
+    laststep, _ = typed_artifacts["laststep.pt"]
+    native = config_of(write_repository(laststep, tmp_path / "repo", name="lengths"))
+    assert [(i.dtype, i.dims) for i in native.inputs] == [
+        (np.float64, (NET_BATCH, 6, 5)),
+        (np.int64, (NET_BATCH,)),
+    ]
 
 
 def test_onnx_repository_declares_the_models_real_tensors(net_artifacts, tmp_path):
@@ -157,6 +189,30 @@ def test_a_bladesmith_artifact_loads_in_the_repository_as_written(net_artifacts,
     assert bladesmith.load(copied).spec.input_shapes == ((NET_BATCH, 3, 8, 8),)
 
 
+def test_a_python_repository_holds_the_operator_libraries_saved_with_the_artifact(
+    user_op_artifact, user_library, tmp_path
+):
+    """The repository runs elsewhere: the libraries are copied beside the artifact, and
+    bladesmith.load in a new process (as each model instance) loads them from there."""
+    import subprocess
+    import sys
+
+    path, model = user_op_artifact
+    model_dir = write_repository(path, tmp_path / "repo", backend="python")
+    copied = model_dir / "1" / "scaled.pt.libs"
+    assert (copied / user_library.name).is_file() and not copied.is_symlink()
+    assert "(scaled.pt.libs/)" in (tmp_path / "repo" / "README.md").read_text()
+    x = torch.rand(4, 6)
+    code = (
+        "import sys, torch, bladesmith; m = bladesmith.load(sys.argv[1]); "
+        "torch.save(m(torch.load(sys.argv[2])), sys.argv[3])"
+    )
+    torch.save(x, tmp_path / "x.pt")
+    arguments = [model_dir / "1" / "scaled.pt", tmp_path / "x.pt", tmp_path / "y.pt"]
+    subprocess.run([sys.executable, "-c", code, *map(str, arguments)], check=True)
+    torch.testing.assert_close(torch.load(tmp_path / "y.pt"), model(x))
+
+
 def test_a_backend_that_cannot_run_the_file_is_refused_in_one_line(net_artifacts, tmp_path, capsys):
     repo = tmp_path / "repo"
     aoti = tmp_path / "net.pt2"
@@ -236,21 +292,23 @@ def test_the_launch_line_preloads_each_libtorch_models_libraries_by_absolute_pat
     for name in ("det", "plain"):
         (repo / name / "1").mkdir(parents=True)
     _update_readme(repo, "det", {"backend": "pytorch_libtorch", "torch_version": "2.6.0",
-                                 "bladesmith_ops": True,
+                                 "operators": ["bladesmith::retinanet_postprocess"],
                                  "preload": ["det/1/libbladesmith_ops.so"]})  # fmt: skip
     _update_readme(repo, "plain", {"backend": "pytorch_libtorch", "torch_version": "2.6.0",
-                                   "bladesmith_ops": False, "preload": []})  # fmt: skip
+                                   "operators": [], "preload": []})  # fmt: skip
     readme = (repo / "README.md").read_text()
     assert f"REPO={repo.resolve()}\n" in readme
     assert "LD_PRELOAD=$REPO/det/1/libbladesmith_ops.so \\\n" in readme
     det, plain = readme.split("## det (")[1].split("## plain (")
-    assert "calls bladesmith's custom operators" in det
-    assert "calls no custom operator" in plain and "bladesmith's" not in plain
+    assert "calls the custom operators bladesmith::retinanet_postprocess" in det
+    assert "calls no custom operator" in plain and "bladesmith::" not in plain
 
 
-def test_bladesmith_operator_calls_are_found_in_torchscript(net_artifacts, tmp_path):
+def test_the_custom_operators_a_torchscript_file_calls_are_found(
+    net_artifacts, user_op_artifact, tmp_path
+):
     from bladesmith import ops
-    from bladesmith.serve.repository import calls_bladesmith_ops
+    from bladesmith.serve.repository import custom_operators
 
     ops.load_library()
 
@@ -260,5 +318,74 @@ def test_bladesmith_operator_calls_are_found_in_torchscript(net_artifacts, tmp_p
 
     path = tmp_path / "winograd.pt"
     torch.jit.script(Winograd()).save(str(path))
-    assert calls_bladesmith_ops(path)
-    assert not calls_bladesmith_ops(net_artifacts[".pt"])
+    assert custom_operators(path) == {"bladesmith::winograd_conv3x3"}
+    assert custom_operators(user_op_artifact[0]) == {USER_OPERATOR}
+    assert custom_operators(net_artifacts[".pt"]) == set()
+
+
+def test_a_libtorch_repository_preloads_the_users_operator_library(
+    user_op_artifact, user_library, tmp_path
+):
+    import subprocess
+    import sys
+
+    path, model = user_op_artifact
+    repo = tmp_path / "repo"
+    # Found from what the model calls: the library saved beside it, no flag needed.
+    assert main(["export", "triton", str(path), str(repo), "--backend", "pytorch_libtorch"]) == 0
+    version = repo / "scaled" / "1"
+    assert sorted(file.name for file in version.iterdir()) == ["model.pt", user_library.name]
+    readme = (repo / "README.md").read_text()
+    preload = f"LD_PRELOAD=$REPO/scaled/1/{user_library.name} \\\n"
+    assert f'{preload}    tritonserver --model-repository "$REPO"' in readme
+    assert f"calls the custom operators {USER_OPERATOR}; the operator libraries" in readme
+    # What Triton does with it: the library loaded (preloaded), then model.pt, new process.
+    x = torch.rand(4, 6)
+    torch.save(x, tmp_path / "x.pt")
+    code = (
+        "import sys, torch; torch.ops.load_library(sys.argv[1]); "
+        "torch.save(torch.jit.load(sys.argv[2])(torch.load(sys.argv[3])), sys.argv[4])"
+    )
+    files = [version / user_library.name, version / "model.pt", tmp_path / "x.pt"]
+    subprocess.run(
+        [sys.executable, "-c", code, *map(str, files), str(tmp_path / "y.pt")], check=True
+    )
+    torch.testing.assert_close(torch.load(tmp_path / "y.pt"), model(x))
+    # The same library given with --load-library too: copied and preloaded once.
+    again = [
+        "--backend",
+        "pytorch_libtorch",
+        "--name",
+        "again",
+        "--load-library",
+        str(user_library),
+    ]
+    assert main(["export", "triton", str(path), str(repo), *again]) == 0
+    assert sorted(file.name for file in (repo / "again" / "1").iterdir()) == sorted(
+        file.name for file in version.iterdir()
+    )
+
+
+# An operator registered from Python, as the user's own code may (no library file).
+_PYTHON_OPS = torch.library.Library("pyops_test", "DEF")
+_PYTHON_OPS.define("twice(Tensor x) -> Tensor")
+_PYTHON_OPS.impl("twice", lambda x: x * 2, "CompositeExplicitAutograd")
+
+
+def test_a_libtorch_repository_of_an_operator_registered_from_python_is_refused(tmp_path, capsys):
+    class Twice(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.pyops_test.twice(x)
+
+    x = torch.rand(2, 3)
+    optimized, _, _ = bladesmith.optimize(
+        torch.jit.script(Twice()), device="cpu", test_data=[(x,)], config=QUICK, passes=[]
+    )
+    path = bladesmith.save(optimized, tmp_path / "twice.pt")
+    capsys.readouterr()  # optimize's progress
+    repo = tmp_path / "repo"
+    assert main(["export", "triton", str(path), str(repo), "--backend", "pytorch_libtorch"]) == 2
+    err = capsys.readouterr().err
+    assert "twice.pt calls pyops_test::twice, which no loaded library file defines" in err
+    assert "--load-library" in err and len(err.strip().splitlines()) == 1
+    assert not (repo / "twice").exists()

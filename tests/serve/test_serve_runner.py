@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from serve_testing import NET_BATCH, QUICK, tiny_net
+from serve_testing import NET_BATCH, QUICK, VOCABULARY, tiny_net, typed_inputs
 
 import bladesmith
 from bladesmith.artifact import OptimizedModule
@@ -48,6 +48,61 @@ def test_requests_are_cut_into_buckets_padded_and_given_back_their_own_rows(net_
         np.testing.assert_allclose(answer["output_0"], scores, rtol=1e-4, atol=1e-5)
         np.testing.assert_array_equal(answer["output_1"], best.reshape(-1, 1))
         assert answer["output_1"].dtype == np.int64
+
+
+@pytest.mark.parametrize("name", ["tagger.pt", "tagger.onnx", "laststep.pt"])
+def test_inputs_are_served_in_the_dtypes_the_artifact_records(typed_artifacts, name):
+    path, model = typed_artifacts[name]
+    runner = BucketRunner(bladesmith.load(path))
+    ids_or_x, mask_or_lengths = runner.signature.inputs
+    inputs = typed_inputs(model, rows=3, seed=1)
+    if name.startswith("tagger"):
+        assert (ids_or_x.triton_dtype, ids_or_x.dims) == ("INT64", (7,))
+        low, high = ids_or_x.values  # the test data's: the runner's test rows stay within
+        assert 0 <= low < high < VOCABULARY
+        assert (mask_or_lengths.triton_dtype, mask_or_lengths.values) == ("FP32", None)
+        served = [value.numpy() for value in inputs]
+    else:
+        assert (ids_or_x.triton_dtype, ids_or_x.dims) == ("FP64", (6, 5))
+        assert (mask_or_lengths.triton_dtype, mask_or_lengths.dims) == ("INT64", (1,))
+        assert mask_or_lengths.scalar and mask_or_lengths.values[0] >= 1
+        served = [inputs[0].numpy(), inputs[1].numpy()[:, None]]  # one value per row: [N, 1]
+    # Random rows in those dtypes run at every smaller batch (zeros in float32 did not).
+    assert runner.buckets == (1, 2, NET_BATCH)
+    [answer] = runner.answer([served])
+    with torch.no_grad():
+        expected = model(*inputs)
+    assert answer["output_0"].dtype == expected.numpy().dtype
+    np.testing.assert_allclose(answer["output_0"], expected.numpy(), rtol=1e-5, atol=1e-6)
+    [refused] = runner.answer([[served[0].astype(np.float32), served[1]]])
+    assert refused == f"input 'input_0': expected {ids_or_x.triton_dtype}, got float32"
+
+
+def _as_saved_before_input_dtypes(path) -> OptimizedModule:
+    from bladesmith.spec import Spec
+
+    loaded = bladesmith.load(path)
+    recorded = loaded.spec.to_dict()
+    del recorded["input_dtypes"], recorded["input_ranges"]
+    return OptimizedModule(loaded, device="cpu", spec=Spec.from_dict(recorded))
+
+
+def test_an_artifact_saved_before_input_dtypes_were_recorded_is_served_float32(
+    net_artifacts, typed_artifacts
+):
+    [image] = signature_of(_as_saved_before_input_dtypes(net_artifacts[".pt"])).inputs
+    assert (image.triton_dtype, image.dims) == ("FP32", (3, 8, 8))
+    # One that takes token ids says so in one line, and what to do.
+    with pytest.raises(BladesmithError) as refused:
+        signature_of(_as_saved_before_input_dtypes(typed_artifacts["tagger.pt"][0]))
+    message = str(refused.value)
+    assert message.startswith(
+        "serve: the artifact fails on inputs input_0 float32 [4, 7], input_1 float32 [4, 7]: "
+    )
+    assert message.endswith(
+        "; it records no input dtypes (saved by an earlier bladesmith): save it again"
+    )
+    assert "\n" not in message
 
 
 def wrapped(loaded, call) -> OptimizedModule:
@@ -464,11 +519,13 @@ def test_float_images_a_uint8_server_cannot_take_as_they_are_are_refused(value, 
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
-def _client(shape, max_batch=8):
+def _client(shape, max_batch=8, inputs=None):
     from bladesmith.serve.client import Client
 
     client = Client.__new__(Client)  # what the server's metadata says, without a server
-    client.model, client.inputs, client.max_batch = "m", [("images", "FP32", shape)], max_batch
+    client.model, client.max_batch = "m", max_batch
+    client.inputs = inputs or [("images", "FP32", shape)]
+    client.detections = inputs is None
     return client
 
 
@@ -488,6 +545,48 @@ def test_the_client_takes_a_list_a_batch_or_one_image_and_says_what_else_is_wron
     with pytest.raises(BladesmithError, match="differ in shape"):
         client._rows([image, np.zeros((3, 4, 6), np.float32)])
     assert _client([-1, 3, -1, -1])._rows([np.zeros((3, 7, 9))]).shape == (1, 3, 7, 9)
+
+
+def test_the_client_sends_other_inputs_in_their_served_dtypes():
+    from bladesmith.serve.client import _cast
+
+    client = _client(None, inputs=[("input_0", "INT64", [-1, 7]), ("input_1", "INT64", [-1, 1])])
+    ids = np.arange(14, dtype=np.int32).reshape(2, 7)
+    assert _cast(ids, "input_0", "INT64").dtype == np.int64
+    assert _cast(np.zeros(3, np.float64), "input_1", "FP32").dtype == np.float32
+    assert _cast(np.zeros(3, np.bool_), "input_1", "FP32").dtype == np.float32
+    with pytest.raises(BladesmithError, match="input 'input_0' takes INT64, given float32"):
+        _cast(ids.astype(np.float32), "input_0", "INT64")  # not cut to integers
+    assert client._rows(torch.tensor([5, 3]), 1).shape == (2, 1)  # one value per row
+    with pytest.raises(BladesmithError, match=r"takes rows of shape \[7\] \(input 'input_0'\)"):
+        client._rows(np.zeros((2, 6), np.int64), 0)
+
+
+def test_the_load_tests_rows_of_an_integer_input_stay_in_its_range_or_are_refused():
+    from bladesmith.serve.loadtest import _distinct_rows
+
+    client = _client(None, inputs=[("input_0", "INT64", [-1, 7]), ("input_1", "FP32", [-1, 7])])
+    client.input_ranges = {"input_0": (3, 9)}
+    rows = _distinct_rows(client, 16, seed=0)
+    ids = np.concatenate([row[0] for row in rows])
+    assert ids.dtype == np.int64 and ids.min() == 3 and ids.max() == 9
+    assert len({row[0].tobytes() for row in rows}) == 16  # a mix-up shows
+    client.input_ranges = {}  # a server that does not say: random ids could index nothing
+    with pytest.raises(BladesmithError) as refused:
+        _distinct_rows(client, 16, seed=0)
+    assert str(refused.value) == (
+        "loadtest: m's input 'input_0' is INT64, and the server does not say which values "
+        "it takes (bladesmith serve's models do): load test it served by bladesmith serve"
+    )
+
+
+def test_an_answer_with_nan_where_its_reference_has_nan_is_the_same():
+    from bladesmith.serve.answers import comparison
+
+    same = comparison("float32")
+    reference = {"output_0": np.array([[np.nan, 1.0]], np.float32)}
+    assert same({"output_0": reference["output_0"].copy()}, reference)
+    assert not same({"output_0": np.array([[0.0, 1.0]], np.float32)}, reference)
 
 
 def test_a_detectors_test_rows_are_photographs_whose_answers_tell_rows_apart(detector_artifact):

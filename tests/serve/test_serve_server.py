@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton (bladesmith[serve])")
 import tritonclient.http as triton  # noqa: E402
-from serve_testing import free_ports, tiny_net  # noqa: E402
+from serve_testing import free_ports, tiny_net, typed_inputs  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 import bladesmith  # noqa: E402
@@ -265,6 +265,49 @@ def test_a_detector_served_as_uint8_answers_a_float_image_and_a_load_test(detect
         # From two processes, two threads each, started together.
         [row] = loadtest(server.url, concurrency=(4,), requests=12, processes=2)
         assert (row.answered, row.wrong, row.failed) == (12, 0, 0)
+
+
+def test_serve_loads_the_operator_libraries_saved_beside_the_artifact(user_op_artifact):
+    # No --load-library: each model instance, a process of its own, loads scaled.pt.libs/
+    # as bladesmith.load does anywhere.
+    path, model = user_op_artifact
+    http, grpc, metrics = free_ports(3)
+    x = np.random.default_rng(0).standard_normal((3, 6), dtype=np.float32)
+    with bladesmith.serve(
+        path, http_port=http, grpc_port=grpc, metrics_port=metrics, block=False
+    ) as server:
+        with bladesmith.client(server.url, "scaled") as client:
+            answers = client(x)
+    got = torch.stack([answer["output_0"] for answer in answers])
+    torch.testing.assert_close(got, model(torch.from_numpy(x)))
+
+
+@pytest.mark.parametrize("name", ["tagger.pt", "laststep.pt"])
+def test_inputs_of_other_dtypes_are_served_answered_and_load_tested(typed_artifacts, name):
+    # int64 token ids and a float32 mask; float64 rows and an int64 length per row.
+    from bladesmith.serve.loadtest import loadtest
+
+    path, model = typed_artifacts[name]
+    http, grpc, metrics = free_ports(3)
+    first, second = typed_inputs(model, rows=3, seed=2)
+    if first.dtype == torch.int64:
+        first = first.int()  # the client casts int32 ids to the served int64
+    with bladesmith.serve(
+        path, http_port=http, grpc_port=grpc, metrics_port=metrics, block=False
+    ) as server:
+        with bladesmith.client(server.url, path.stem) as client:
+            assert [datatype for _, datatype, _ in client.inputs] == (
+                ["INT64", "FP32"] if name == "tagger.pt" else ["FP64", "INT64"]
+            )
+            answers = client(first, second)
+        # Each row its own random ids (within the test data's) or values: a row's answer
+        # is another's only when mixed up.
+        [row] = loadtest(server.url, concurrency=(4,), requests=24)
+        assert (row.answered, row.wrong, row.failed) == (24, 0, 0)
+    with torch.no_grad():
+        expected = model(first.long() if first.dtype == torch.int32 else first, second)
+    got = torch.stack([answer["output_0"] for answer in answers])
+    torch.testing.assert_close(got, expected)
 
 
 def test_serve_says_in_one_line_what_is_wrong(tmp_path, capsys):

@@ -237,8 +237,9 @@ def _add_triton_parser(formats) -> None:
             "Write REPO_DIR/NAME/config.pbtxt and the version folder for Triton Inference "
             "Server, and REPO_DIR/README.md with the launch command. Backends: python (any "
             "artifact, dynamic batching into its batch size; the default for .pt2), "
-            "pytorch_libtorch (TorchScript .pt, bladesmith's operator library beside it, to "
-            "LD_PRELOAD) and onnxruntime (standard ONNX)."
+            "pytorch_libtorch (TorchScript .pt, the libraries of the custom operators it "
+            "calls beside it, to LD_PRELOAD) and onnxruntime (standard ONNX). The operator "
+            "libraries saved beside the artifact (ARTIFACT.libs/) go into the repository."
         ),
     )
     parser.add_argument("artifact", metavar="ARTIFACT", help=".pt2, .pt or .onnx artifact")

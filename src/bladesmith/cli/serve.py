@@ -45,9 +45,11 @@ def add_parser(subparsers) -> None:
         "loadtest",
         help="time a served model at several concurrencies",
         description=(
-            "Send REQUESTS requests (one image each, distinct images) at each concurrency "
-            "and print throughput and p50/p90/p99 latency; every answer is checked against "
-            "the answer the server gave the same image alone, so none is lost or mixed up."
+            "Send REQUESTS requests (one row each, distinct rows: a detector's are images, "
+            "an integer input's values stay within the model's test data) at each "
+            "concurrency and print throughput and p50/p90/p99 latency; every answer is "
+            "checked against the answer the server gave the same row alone, so none is lost "
+            "or mixed up."
         ),
     )
     loadtest.add_argument("url", metavar="URL", help="host:port (HTTP) or grpc://host:port")
@@ -64,7 +66,7 @@ def add_parser(subparsers) -> None:
     loadtest.add_argument(
         "--shared-memory",
         action="store_true",
-        help="send the images through system shared memory (a server on this machine): "
+        help="send the rows through system shared memory (a server on this machine): "
         "what the server sustains, without the cost of sending them",
     )
     loadtest.add_argument(
@@ -86,7 +88,8 @@ def add_deployment_options(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="LIB",
-        help="an operator library the artifact needs, loaded first (repeatable)",
+        help="an operator library the artifact needs besides those saved with it "
+        "(ARTIFACT.libs/, used without this flag), loaded first (repeatable)",
     )
     parser.add_argument(
         "--max-batch",

@@ -35,12 +35,14 @@ def spec_of(best: Candidate, context: Context, saves_as: str | None) -> Spec:
         output = OUTPUT_PADDED if context.config.output == "padded" else best.family.user_output
     else:
         output = OUTPUT_AS_MODEL
-    leaves = pytree.tree_leaves(best.runner_args(context.example_args))
+    inputs = _tensor_leaves(best.runner_args(context.example_args))
     formats, left_out = _save_formats(best, context, saves_as)
     return Spec(
         device=str(context.device),
         dtype=str(best.dtype).removeprefix("torch."),
-        input_shapes=tuple(tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor)),
+        input_shapes=tuple(tuple(x.shape) for x in inputs),
+        input_dtypes=tuple(str(x.dtype).removeprefix("torch.") for x in inputs),
+        input_ranges=_integer_ranges(best, context),
         output=output,
         passes=best.applied,
         backend=best.backend,
@@ -48,6 +50,27 @@ def spec_of(best: Candidate, context: Context, saves_as: str | None) -> Spec:
         family=best.family.name if best.family is not None else None,
         refused_formats=left_out,
     )
+
+
+def _tensor_leaves(args: tuple) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+
+
+def _integer_ranges(best: Candidate, context: Context) -> tuple:
+    """Per input of the runner, an integer input's lowest and highest value over the test
+    data (token ids, lengths: a server's test rows stay where the model was verified);
+    None for the others."""
+    columns = zip(*(_tensor_leaves(best.runner_args(args)) for args in context.test_args))
+    return tuple(_range(column) for column in columns)
+
+
+def _range(column: tuple[torch.Tensor, ...]) -> tuple[int, int] | None:
+    first = column[0]
+    if first.is_floating_point() or first.is_complex() or first.dtype == torch.bool:
+        return None
+    if any(x.numel() == 0 for x in column):  # no values to take a range of
+        return None
+    return min(int(x.min()) for x in column), max(int(x.max()) for x in column)
 
 
 def _save_formats(

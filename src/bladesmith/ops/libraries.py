@@ -197,6 +197,12 @@ def folder_beside(artifact: str | os.PathLike) -> Path:
     return artifact.with_name(artifact.name + _FOLDER_SUFFIX)
 
 
+def stored(artifact: str | os.PathLike) -> Path | None:
+    """The folder of libraries ``store`` wrote beside ``artifact``, or None."""
+    folder = folder_beside(artifact)
+    return folder if (folder / _INDEX).is_file() else None
+
+
 def store(libraries: list[Library], artifact: Path) -> list[dict]:
     """Copy ``libraries`` into the folder beside ``artifact``, with an index of what each
     one registers (``restore`` reads it before the artifact); their metadata entries."""
@@ -221,9 +227,10 @@ def store(libraries: list[Library], artifact: Path) -> list[dict]:
 def restore(artifact: Path) -> None:
     """Load the libraries saved beside ``artifact``, unless their operators are loaded
     already (the user loaded them: a second copy would register them twice)."""
-    index = folder_beside(artifact) / _INDEX
-    if not index.is_file():
+    folder = stored(artifact)
+    if folder is None:
         return
+    index = folder / _INDEX
     for entry in json.loads(index.read_text()):
         missing = [op for op in entry["operators"] if not _registered(op)]
         if not missing:

@@ -1,15 +1,19 @@
-"""A client for a served bladesmith model: images in, one answer per image out.
+"""A client for a served bladesmith model: rows in (images, token ids, ...), one answer
+per row out.
 
     detect = bladesmith.client("localhost:8000", "retinanet")   # or grpc://localhost:8001
     detections = detect(images)   # [{"boxes": ..., "scores": ..., "labels": ...}, ...]
+    answers = bladesmith.client("localhost:8000", "tagger")(ids, mask)   # several inputs
 
-The model's inputs, outputs and maximum batch are read from the server; images are sent
-in batches of at most that many rows. A client is for one thread (tritonclient's HTTP
-client is not thread-safe): make one per thread for concurrent requests.
+The model's inputs (with their dtypes), outputs and maximum batch are read from the
+server; rows are sent in its dtypes, in batches of at most that many rows. A client is
+for one thread (tritonclient's HTTP client is not thread-safe): make one per thread for
+concurrent requests.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +23,7 @@ import numpy as np
 from bladesmith.errors import BladesmithError
 from bladesmith.families.base import DetectionFamily
 from bladesmith.serve.answers import cut_padding
-from bladesmith.serve.signature import INPUT_DTYPE
+from bladesmith.serve.signature import NUMPY_DTYPES
 
 
 class Client:
@@ -62,6 +66,10 @@ class Client:
         # backend does): how far an answer may move with the row's slot in a batch.
         parameters = config.get("parameters", {})
         self.compute_dtype = parameters.get("compute_dtype", {}).get("string_value")
+        # An integer input's values in the artifact's test data, where the server says
+        # (bladesmith's Python backend does): what test rows of it draw from.
+        ranges = json.loads(parameters.get("input_ranges", {}).get("string_value") or "{}")
+        self.input_ranges = {name: tuple(bounds) for name, bounds in ranges.items()}
         self.detections = tuple(self.outputs) == DetectionFamily.output_names
 
     def _call(self, method, *args, **kwargs):
@@ -85,6 +93,7 @@ class Client:
             )
         tensors = []
         for k, ((name, datatype, _), array) in enumerate(zip(self.inputs, arrays)):
+            array = _cast(_as_numpy(array), name, datatype)
             tensor = self._triton.InferInput(name, list(array.shape), datatype)
             if regions is None:
                 tensor.set_data_from_numpy(np.ascontiguousarray(array))
@@ -96,17 +105,29 @@ class Client:
         result = self._call(self._client.infer, self.model, tensors, outputs=requested, **options)
         return {name: result.as_numpy(name) for name in self.outputs}
 
-    def __call__(self, images) -> list[dict]:
-        """Images (a batch [N, ...] or a list of [...] tensors/arrays) -> one dict per
-        image: detections' boxes, scores and labels (as torch tensors, padding cut),
-        else the model's outputs by name."""
+    def __call__(self, *inputs) -> list[dict]:
+        """One dict per row, for the rows of each input (a batch [N, ...], a list of rows,
+        or one row alone): a detector's boxes, scores and labels per image (as torch
+        tensors, padding cut), another model's outputs by name. A detector's images are
+        converted to the server's float32 or uint8; other inputs are cast to their
+        served dtypes (int32 ids to int64, float64 to float32)."""
         import torch
 
-        rows = _as_served(self._rows(images), self.inputs[0][1])
-        step = self.max_batch or rows.shape[0]
+        if len(inputs) != len(self.inputs):
+            names = ", ".join(name for name, _, _ in self.inputs)
+            raise BladesmithError(
+                f"{self.model} takes {len(self.inputs)} inputs ({names}), got {len(inputs)}"
+            )
+        columns = [self._rows(rows, k) for k, rows in enumerate(inputs)]
+        if self.detections:
+            columns[0] = _as_served(columns[0], self.inputs[0][1])
+        counts = sorted({column.shape[0] for column in columns})
+        if len(counts) > 1:
+            raise BladesmithError(f"{self.model}: the inputs differ in rows: {counts}")
+        step = self.max_batch or counts[0]
         answers = []
-        for start in range(0, rows.shape[0], step):
-            outputs = self.infer(rows[start : start + step])
+        for start in range(0, counts[0], step):
+            outputs = self.infer(*(column[start : start + step] for column in columns))
             for i in range(len(next(iter(outputs.values())))):
                 answers.append(
                     {name: torch.from_numpy(value[i].copy()) for name, value in outputs.items()}
@@ -115,35 +136,39 @@ class Client:
             answers = [cut_padding(answer) for answer in answers]
         return answers
 
-    def _rows(self, images) -> np.ndarray:
-        """Images as one array of rows: a list of images, a batch, or one image alone
-        (an array with the model's per-image rank); one line when they cannot be."""
-        name, _, shape = self.inputs[0]
-        per_row = shape[1:]  # [-1 or the fixed batch, *per image]
-        if hasattr(images, "shape"):  # one array or tensor: a batch, or a single image
-            array = _as_numpy(images)
-            rows = array[None] if array.ndim == len(per_row) else array
+    def _rows(self, given, k: int = 0) -> np.ndarray:
+        """Input ``k``'s rows as one array: a list of rows, a batch, or one row alone (an
+        array with the model's per-row rank); one line when they cannot be."""
+        name, _, shape = self.inputs[k]
+        per_row = shape[1:]  # [-1 or the fixed batch, *per row]
+        noun = "images" if self.detections else "rows"
+        if hasattr(given, "shape"):  # one array or tensor: a batch, or a single row
+            array = _as_numpy(given)
+            if list(per_row) == [1] and array.ndim == 1:  # one value per row (lengths)
+                rows = array[:, None]
+            else:
+                rows = array[None] if array.ndim == len(per_row) else array
         else:
-            images = list(images)
-            if not images:
-                raise BladesmithError(f"{self.model}: no images given (an empty list)")
-            arrays = [_as_numpy(image) for image in images]
+            given = list(given)
+            if not given:
+                raise BladesmithError(f"{self.model}: no {noun} given for {name!r} (an empty list)")
+            arrays = [_as_numpy(row) for row in given]
             shapes = {array.shape for array in arrays}
             if len(shapes) != 1:
                 raise BladesmithError(
-                    f"{self.model}: the images differ in shape ({sorted(shapes)}); it takes "
-                    f"{_shape(per_row)} each"
+                    f"{self.model}: the {noun} of {name!r} differ in shape ({sorted(shapes)}); "
+                    f"it takes {_shape(per_row)} each"
                 )
             rows = np.stack(arrays)
         if rows.ndim != len(per_row) + 1 or any(
             want >= 0 and got != want for got, want in zip(rows.shape[1:], per_row)
         ):
             raise BladesmithError(
-                f"{self.model}: takes images of shape {_shape(per_row)} (input {name!r}), "
-                f"given {_shape(rows.shape[1:])} per image"
+                f"{self.model}: takes {noun} of shape {_shape(per_row)} (input {name!r}), "
+                f"given {_shape(rows.shape[1:])} per row"
             )
         if rows.shape[0] == 0:
-            raise BladesmithError(f"{self.model}: no images given (a batch of 0)")
+            raise BladesmithError(f"{self.model}: no {noun} given for {name!r} (a batch of 0)")
         return rows
 
     @contextmanager
@@ -159,6 +184,7 @@ class Client:
             for i, arrays in enumerate(requests):
                 names.append([])
                 for k, array in enumerate(arrays):
+                    array = _cast(array, *self.inputs[k][:2])
                     name = f"{prefix}-{i}-{k}"
                     region = shared_memory.create_shared_memory_region(
                         name, f"/{name}", array.nbytes
@@ -293,8 +319,22 @@ def _as_served(rows: np.ndarray, datatype: str) -> np.ndarray:
             )
         return np.clip(np.rint(rows * 255.0), 0, 255).astype(np.uint8)
     if rows.dtype == np.uint8:
-        return rows.astype(INPUT_DTYPE) / np.float32(255)
-    return rows.astype(INPUT_DTYPE)
+        return rows.astype(np.float32) / np.float32(255)
+    return rows.astype(np.float32)
+
+
+def _cast(array: np.ndarray, name: str, datatype: str) -> np.ndarray:
+    """``array`` in its input's served dtype, where numpy casts it within its kind or up
+    (int32 ids to int64, float64 to float32, integers to floats); floats are not cut to
+    integers. A dtype bladesmith does not serve goes as it is, for the server to judge."""
+    dtype = NUMPY_DTYPES.get(datatype)
+    if dtype is None or array.dtype == dtype:
+        return array
+    if not np.can_cast(array.dtype, dtype, "same_kind"):
+        raise BladesmithError(
+            f"input {name!r} takes {datatype}, given {array.dtype}: convert it first"
+        )
+    return array.astype(dtype)
 
 
 _SLACK = 1e-6  # rounding past [0, 1] that a float computation may leave

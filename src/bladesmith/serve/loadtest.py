@@ -1,7 +1,9 @@
 """Load test a served model: throughput and latency percentiles per concurrency, with
 every answer checked.
 
-Each request carries one distinct random row (a detector's: a view of a photograph). The
+Each request carries one distinct random row in the served dtypes (a detector's: a view
+of a photograph; an integer input's values within those of the artifact's test data,
+which the server gives: random token ids could index nothing). The
 answer to every row is first asked alone, one request at a time; under load, each answer
 must equal that one, so an answer lost, failed or given to the wrong request is counted,
 not hidden in the timings.
@@ -38,11 +40,10 @@ import numpy as np
 from bladesmith.errors import BladesmithError
 from bladesmith.serve.answers import comparison, distance
 from bladesmith.serve.client import Client
-from bladesmith.serve.signature import random_rows, smaller_buckets
+from bladesmith.serve.signature import NUMPY_DTYPES, random_rows, smaller_buckets
 
 DISTINCT_ROWS = 64  # rows cycled through; enough that a swapped answer shows
 WORKER_TIMEOUT_S = 600.0  # a load-generating process that has not reported by then failed
-_ROW_DTYPES = {"FP32": np.dtype(np.float32), "UINT8": np.dtype(np.uint8)}  # served images
 
 
 @dataclass(frozen=True)
@@ -269,23 +270,33 @@ def _slot_variants(client: Client, rows: list[list[np.ndarray]]) -> list[list[di
 
 
 def _distinct_rows(client: Client, count: int, seed: int) -> list[list[np.ndarray]]:
-    """``count`` requests of one random row each, like images: float32 in [0, 1), or
-    uint8; a detector's, distinct views of photographs (``random_rows``, all drawn at
-    once). Where the server takes whole batches only, each request is one such batch."""
-    for _, datatype, _ in client.inputs:
-        if datatype not in _ROW_DTYPES:
+    """``count`` requests of one random row each (``random_rows``, all drawn at once): a
+    detector's, distinct views of photographs; an integer input's, values in its range
+    from the server. Where the server takes whole batches only, each request is one such
+    batch."""
+    for name, datatype, _ in client.inputs:
+        dtype = NUMPY_DTYPES.get(datatype)
+        if dtype is None:
             raise BladesmithError(f"loadtest: input type {datatype} is not supported")
+        if not client.detections and np.issubdtype(dtype, np.integer):
+            if name not in client.input_ranges:
+                raise BladesmithError(
+                    f"loadtest: {client.model}'s input {name!r} is {datatype}, and the "
+                    "server does not say which values it takes (bladesmith serve's models "
+                    "do): load test it served by bladesmith serve"
+                )
     generator = np.random.default_rng(seed)
 
     def draw(rows: int | None) -> list[np.ndarray]:
         return [
             random_rows(
                 generator,
-                _ROW_DTYPES[datatype],
+                NUMPY_DTYPES[datatype],
                 [rows, *shape[1:]] if rows else shape,
                 client.detections,
+                client.input_ranges.get(name),
             )
-            for _, datatype, shape in client.inputs
+            for name, datatype, shape in client.inputs
         ]
 
     if not client.max_batch:

@@ -2,7 +2,8 @@
 
 Each model instance is its own process with its own loaded artifact and runner: no
 buffer is shared between instances. The config's parameters name the artifact (beside
-this file), operator libraries to load first, and the torch threads per instance.
+this file, with the operator libraries saved with it, which ``bladesmith.load`` loads),
+operator libraries to load first (``--load-library``), and the torch threads per instance.
 Each request is answered on its own: a bad one gets an error response, the rest of its
 dynamic batch is still run.
 """

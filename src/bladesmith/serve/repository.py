@@ -1,8 +1,10 @@
 """Triton model repositories for bladesmith artifacts (``bladesmith export triton``).
 
     REPO/NAME/config.pbtxt
-    REPO/NAME/1/model.py + the artifact          (python: any artifact, batches into buckets)
-    REPO/NAME/1/model.pt + libbladesmith_ops.so  (pytorch_libtorch: TorchScript)
+    REPO/NAME/1/model.py + the artifact          (python: any artifact, batches into buckets;
+                                                  ARTIFACT.libs/ beside it)
+    REPO/NAME/1/model.pt + the operator libraries it calls, preloaded
+                                                 (pytorch_libtorch: TorchScript)
     REPO/NAME/1/model.onnx                       (onnxruntime: standard ONNX)
     REPO/README.md                               (how to start tritonserver on it: one
                                                   section per model, merged by name)
@@ -30,7 +32,8 @@ import numpy as np
 
 from bladesmith._files import write_atomically
 from bladesmith.errors import BladesmithError, NotAnArtifactError
-from bladesmith.serve.signature import TRITON_DTYPES, Signature, TensorSpec
+from bladesmith.ops import libraries as operator_libraries
+from bladesmith.serve.signature import NUMPY_DTYPES, TRITON_DTYPES, Signature, TensorSpec
 from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 
 BACKENDS = ("python", "pytorch_libtorch", "onnxruntime")
@@ -168,11 +171,17 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
     del loaded
     if gpus is not None:
         torch.cuda.empty_cache()  # the instances load their own copies; this one is done
-    target = version_dir / artifact.name
+    # The operator libraries saved with the artifact go beside it, where bladesmith.load
+    # finds them in each model instance.
+    folder = operator_libraries.stored(artifact)
     if link:
-        target.symlink_to(artifact)
+        (version_dir / artifact.name).symlink_to(artifact)
+        if folder is not None:
+            (version_dir / folder.name).symlink_to(folder)
     else:
-        shutil.copy2(artifact, target)
+        shutil.copy2(artifact, version_dir / artifact.name)
+        if folder is not None:
+            shutil.copytree(folder, version_dir / folder.name)
     shutil.copy2(Path(__file__).with_name("python_model.py"), version_dir / "model.py")
     for library in libraries:
         shutil.copy2(library, version_dir / library.name)
@@ -183,6 +192,10 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
         "torch_threads": str(deployment.torch_threads),
         "image_dtype": deployment.image_dtype,
         "compute_dtype": compute_dtype,
+        # What a client's test rows of an integer input draw from (loadtest).
+        "input_ranges": json.dumps(
+            {spec.name: spec.values for spec in signature.inputs if spec.values is not None}
+        ),
     }
     if link:
         parameters["bladesmith_source"] = str(Path(bladesmith.__file__).parent.parent)
@@ -205,6 +218,7 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
         "python": sys.executable,
         "libdir": sysconfig.get_config_var("LIBDIR"),
         "bindir": str(Path(sys.executable).parent),
+        "stored_libraries": folder.name if folder is not None else None,
         "preload": [],
     }
 
@@ -253,17 +267,20 @@ def _torchscript_model(artifact, version_dir, deployment, libraries):
     from bladesmith import ops
     from bladesmith.serve.signature import signature_of
 
-    libraries = [_library(library) for library in libraries]
-    for library in libraries:
+    given = [_library(library) for library in libraries]
+    for library in given:
         torch.ops.load_library(str(library))
-    loaded = bladesmith.load(artifact)  # builds and loads bladesmith's operators
-    uses_ops = calls_bladesmith_ops(artifact)
-    if uses_ops:
-        libraries.insert(0, Path(ops.library_path()))
+    # Builds and loads bladesmith's operators, and the libraries saved beside the artifact.
+    loaded = bladesmith.load(artifact)
+    operators = custom_operators(artifact)
+    preload = [Path(ops.library_path())] if any(_is_bladesmiths(op) for op in operators) else []
+    preload += given
+    preload += [found.path for found in _libraries_defining(operators, artifact)]
+    preload = list(dict.fromkeys(preload))  # a --load-library that defines them: once
     gpus = _gpus(artifact, loaded.device, deployment.device)
     signature = signature_of(loaded)
     shutil.copy2(artifact, version_dir / "model.pt")
-    for library in libraries:
+    for library in preload:
         shutil.copy2(library, version_dir / library.name)
     # Triton's libtorch backend binds tensors by position: NAME__INDEX.
     stems = ("INPUT", "OUTPUT") if not signature.detections else (None, None)
@@ -283,23 +300,48 @@ def _torchscript_model(artifact, version_dir, deployment, libraries):
     return config + "\n", {
         "backend": "pytorch_libtorch",
         "torch_version": torch.__version__.split("+")[0],
-        "bladesmith_ops": uses_ops,
-        "preload": [f"{folder}/{library.name}" for library in libraries],
+        "operators": sorted(operators),
+        "preload": [f"{folder}/{library.name}" for library in preload],
     }
 
 
-def calls_bladesmith_ops(artifact: Path) -> bool:
-    """Whether a TorchScript file calls bladesmith's operators (``ops.bladesmith.*`` in
-    its code)."""
-    try:
-        with zipfile.ZipFile(artifact) as archive:
-            return any(
-                b"ops.bladesmith." in archive.read(entry)
-                for entry in archive.namelist()
-                if "/code/" in entry and entry.endswith(".py")
-            )
-    except (OSError, zipfile.BadZipFile):
-        return True  # unknown: keep the library beside it
+_OPERATOR_CALL = re.compile(rb"\bops\.(\w+)\.(\w+)")
+
+
+def custom_operators(artifact: Path) -> set[str]:
+    """The custom operators a TorchScript file calls, bladesmith's and the user's
+    (``ops.NAMESPACE.NAME`` in its code), as ``NAMESPACE::NAME``."""
+    with zipfile.ZipFile(artifact) as archive:
+        code = [
+            archive.read(entry)
+            for entry in archive.namelist()
+            if "/code/" in entry and entry.endswith(".py")
+        ]
+    called = {
+        f"{namespace.decode()}::{name.decode()}"
+        for text in code
+        for namespace, name in _OPERATOR_CALL.findall(text)
+    }
+    return {op for op in called if _is_bladesmiths(op) or operator_libraries.is_user_operator(op)}
+
+
+def _is_bladesmiths(operator: str) -> bool:
+    return operator.startswith("bladesmith::")
+
+
+def _libraries_defining(operators, artifact: Path) -> list:
+    """The loaded libraries that define the user's ``operators``; one line for an operator
+    that none does (registered from Python: Triton cannot preload it)."""
+    users = {op for op in operators if not _is_bladesmiths(op)}
+    found = operator_libraries.libraries_of(users)
+    unfound = sorted(users.difference(*(library.operators for library in found)))
+    if unfound:
+        raise BladesmithError(
+            f"export triton: {artifact.name} calls {', '.join(unfound)}, which no loaded "
+            "library file defines (registered from Python?); Triton's libtorch backend "
+            "preloads compiled libraries: pass the one that registers it with --load-library"
+        )
+    return found
 
 
 def _onnx_model(artifact, version_dir, deployment):
@@ -384,11 +426,10 @@ def signature_from_config(config_text: str) -> Signature:
     from tritonclient.grpc import model_config_pb2
 
     config = text_format.Parse(config_text, model_config_pb2.ModelConfig())
-    by_triton = {triton: dtype for dtype, triton in TRITON_DTYPES.items()}
 
     def spec(tensor):
         dtype = model_config_pb2.DataType.Name(tensor.data_type).removeprefix("TYPE_")
-        return TensorSpec(tensor.name, by_triton[dtype], tuple(tensor.dims))
+        return TensorSpec(tensor.name, NUMPY_DTYPES[dtype], tuple(tensor.dims))
 
     return Signature(
         tuple(spec(t) for t in config.input),
@@ -456,18 +497,16 @@ def _section(model: dict) -> str:
     name, backend = model["name"], model["backend"]
     if backend == "python":
         body = _PYTHON_SECTION.format(**model)
+        if model.get("stored_libraries"):
+            body += _STORED_LIBRARIES.format(folder=model["stored_libraries"])
     elif backend == "pytorch_libtorch":
-        libraries = [item.rsplit("/", 1)[-1] for item in model["preload"]]
-        if model.get("bladesmith_ops"):
+        libraries = ", ".join(item.rsplit("/", 1)[-1] for item in model["preload"])
+        operators = ", ".join(model.get("operators", []))
+        if libraries:
+            calls = f"it calls the custom operators {operators}; " if operators else ""
             uses = (
-                "it calls bladesmith's custom operators, compiled into "
-                f"{', '.join(libraries)} beside it (with any --load-library), which the "
-                "launch line above preloads (LD_PRELOAD)."
-            )
-        elif libraries:
-            uses = (
-                f"it needs the operator libraries {', '.join(libraries)} (--load-library) "
-                "beside it, which the launch line above preloads (LD_PRELOAD)."
+                f"{calls}the operator libraries {libraries} are beside it (with any "
+                "--load-library), and the launch line above preloads them (LD_PRELOAD)."
             )
         else:
             uses = "it calls no custom operator, so nothing is preloaded for it."
@@ -499,6 +538,12 @@ The interpreter's own libpython goes first on LD_LIBRARY_PATH: the backend's stu
 otherwise load the system's, which fails with a Python built elsewhere. Triton's Python
 backend stub must match the interpreter's version (nvidia-pytriton bundles a server with
 one per version: `bladesmith serve ARTIFACT` uses it and sets all this for you).
+"""
+
+_STORED_LIBRARIES = """
+The operator libraries saved with the artifact are beside it ({folder}/), and each model
+instance loads them with it (libraries given with --load-library are listed in
+config.pbtxt and loaded first).
 """
 
 _TORCHSCRIPT_SECTION = """TorchScript: {uses}

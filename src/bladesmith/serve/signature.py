@@ -5,9 +5,11 @@ largest bucket. The powers of two below it are smaller buckets where the artifac
 at them and answers as it does at its own batch (a TorchScript file often does; an
 AOTInductor package or an ONNX file with a fixed batch does not). Requests are stacked
 and cut into full buckets of the largest; the rows left over run in the smallest bucket
-that holds them, padded with zeros; each request gets back its own rows. A model of a
-family (a detector) is served in the family's padded form (``Family.output_names``:
-boxes, scores, labels, num_detections), one fixed shape whatever it finds.
+that holds them, padded (zeros; an integer input's lowest value); each request gets back
+its own rows. A model of a family (a detector) is served in the family's padded form
+(``Family.output_names``: boxes, scores, labels, num_detections), one fixed shape
+whatever it finds. Each input is served in the dtype the artifact records (token ids as
+int64, say), a detector's images as float32 or uint8.
 """
 
 from __future__ import annotations
@@ -20,18 +22,16 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from bladesmith._files import first_line
 from bladesmith.errors import BladesmithError
 from bladesmith.families.base import DetectionFamily
 from bladesmith.serve.answers import comparison
 from bladesmith.spec import OUTPUT_AS_MODEL
 
 FAMILY_INPUT = "images"  # a family's pipeline takes one batch of images
-# The served inputs are float32 images/features: bladesmith's spec records input shapes
-# (the fast path's), and every artifact it writes takes float32 there.
-INPUT_DTYPE = np.dtype(np.float32)
 # A detector's images may be served as uint8 (a quarter of the bytes to send, copy and
 # transfer), made float32 in [0, 1] (x / 255) on the model's device.
-IMAGE_DTYPES = {"float32": INPUT_DTYPE, "uint8": np.dtype(np.uint8)}
+IMAGE_DTYPES = {"float32": np.dtype(np.float32), "uint8": np.dtype(np.uint8)}
 TRITON_DTYPES = {
     np.dtype(np.float32): "FP32",
     np.dtype(np.float16): "FP16",
@@ -43,6 +43,7 @@ TRITON_DTYPES = {
     np.dtype(np.uint8): "UINT8",
     np.dtype(np.bool_): "BOOL",
 }
+NUMPY_DTYPES = {triton: dtype for dtype, triton in TRITON_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,26 @@ class TensorSpec:
     name: str
     dtype: np.dtype
     dims: tuple[int, ...]  # one row's shape, as served (a per-row scalar is served as [1])
-    scalar: bool = False  # the model gives one value per row: [B], served as [B, 1]
+    scalar: bool = False  # one value per row: [B] to the model, served as [B, 1]
+    # An integer input's lowest and highest value in the artifact's test data: its test
+    # rows' (a token id drawn past them could index nothing).
+    values: tuple[int, int] | None = None
 
     @property
     def triton_dtype(self) -> str:
         return TRITON_DTYPES[self.dtype]
+
+    @property
+    def model_dims(self) -> tuple[int, ...]:
+        """One row's shape as the model has it."""
+        return () if self.scalar else self.dims
+
+    @property
+    def fill(self) -> int:
+        """What rows that hold no request's hold (padding; the first run): 0, or an
+        integer input's lowest value in the test data (a length or an id of 0 may index
+        nothing)."""
+        return self.values[0] if self.values is not None else 0
 
 
 class BadRequest(str):
@@ -68,6 +84,7 @@ class Signature:
     outputs: tuple[TensorSpec, ...]
     bucket: int  # the batch the artifact was built for
     detections: bool  # a detection family's padded outputs
+    uint8_images: bool = False  # a detector's images served as uint8, run as float32 / 255
 
     def check(self, arrays: list[np.ndarray]) -> str | None:
         """Why one request's inputs cannot be run, or None. The server checks names,
@@ -92,8 +109,9 @@ class Signature:
 
 def signature_of(module, image_dtype: str = "float32") -> Signature:
     """The served signature of a loaded artifact (``bladesmith.load``), found by running
-    it once on zeros of the shapes it was built for; a detector's images served as
-    ``image_dtype`` (float32, or uint8 scaled by 1/255 on the device)."""
+    it once on rows of the shapes and dtypes it was built for (``TensorSpec.fill``); a
+    detector's images served as ``image_dtype`` (float32, or uint8 scaled by 1/255 on the
+    device)."""
     spec = module.spec
     shapes = spec.input_shapes
     if not shapes or any(len(shape) == 0 for shape in shapes):
@@ -106,19 +124,34 @@ def signature_of(module, image_dtype: str = "float32") -> Signature:
     family = module.family
     if image_dtype not in IMAGE_DTYPES:
         raise BladesmithError(f"--image-dtype: expected float32 or uint8, got {image_dtype!r}")
-    if family is not None:
-        names = (FAMILY_INPUT,)
-    elif image_dtype != "float32":
+    if family is None and image_dtype != "float32":
         raise BladesmithError(
             f"--image-dtype {image_dtype}: only a detector's images can be served so; "
             "this artifact takes features (leave --image-dtype out)"
         )
+    if family is not None:
+        inputs = (TensorSpec(FAMILY_INPUT, IMAGE_DTYPES[image_dtype], tuple(shapes[0][1:])),)
     else:
-        names = tuple(f"input_{i}" for i in range(len(shapes)))
-    dtype = IMAGE_DTYPES[image_dtype]
-    inputs = tuple(TensorSpec(n, dtype, tuple(s[1:])) for n, s in zip(names, shapes))
-    zeros = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
-    flat = _flat_outputs(module_runner(module), zeros, module.device)
+        inputs = _recorded_inputs(spec)
+    uint8_images = family is not None and image_dtype == "uint8"
+    filled = _filled(inputs, bucket, uint8_images, module.device)
+    try:
+        with torch.no_grad():
+            answer = module_runner(module)(*filled)
+    except Exception as error:  # the model's own failure: one line, with what it was given
+        given = ", ".join(
+            f"{tensor.name} {str(x.dtype).removeprefix('torch.')} {list(x.shape)}"
+            for tensor, x in zip(inputs, filled)
+        )
+        older = (
+            ""
+            if spec.input_dtypes or family is not None
+            else "; it records no input dtypes (saved by an earlier bladesmith): save it again"
+        )
+        raise BladesmithError(
+            f"serve: the artifact fails on inputs {given}: {first_line(error)}{older}"
+        ) from error
+    flat = [_to_numpy(value) for value in pytree.tree_leaves(answer)]
     names = family.output_names if family else [f"output_{i}" for i in range(len(flat))]
     outputs = []
     for name, value in zip(names, flat):
@@ -132,7 +165,43 @@ def signature_of(module, image_dtype: str = "float32") -> Signature:
     if spec.output == OUTPUT_AS_MODEL and not flat:
         raise BladesmithError("serve: the artifact returns no tensor")
     detections = isinstance(family, DetectionFamily)
-    return Signature(inputs, tuple(outputs), bucket, detections)
+    return Signature(inputs, tuple(outputs), bucket, detections, uint8_images)
+
+
+def _recorded_inputs(spec) -> tuple[TensorSpec, ...]:
+    """The artifact's inputs as it records them: ``input_N``, of its dtypes (float32 for
+    an artifact saved before they were recorded: what it was served as then), an integer
+    input with the range of its test data."""
+    dtypes = spec.input_dtypes or ("float32",) * len(spec.input_shapes)
+    ranges = dict(enumerate(spec.input_ranges))
+    inputs = []
+    for i, (shape, name) in enumerate(zip(spec.input_shapes, dtypes)):
+        try:
+            dtype = np.dtype(name)
+        except TypeError:  # bfloat16, float8: numpy has none
+            dtype = None
+        if dtype not in TRITON_DTYPES:
+            raise BladesmithError(
+                f"serve: input_{i} is {name}, which cannot be served (Triton and numpy "
+                f"share {', '.join(sorted(map(str, TRITON_DTYPES)))}): optimize the model "
+                "for inputs of one of those"
+            )
+        scalar = len(shape) == 1  # served as [1] (Triton batches rows of at least one value)
+        dims = (1,) if scalar else tuple(shape[1:])
+        inputs.append(TensorSpec(f"input_{i}", dtype, dims, scalar, ranges.get(i)))
+    return tuple(inputs)
+
+
+def _filled(inputs, rows: int, uint8_images: bool, device=None) -> list[torch.Tensor]:
+    """``rows`` rows of each input, holding its ``fill``, as the model takes them (a
+    detector's uint8 images: float32)."""
+    filled = []
+    for spec in inputs:
+        dtype = np.dtype(np.float32) if uint8_images else spec.dtype
+        torch_dtype = torch.from_numpy(np.zeros(0, dtype)).dtype
+        shape = (rows, *spec.model_dims)
+        filled.append(torch.full(shape, spec.fill, dtype=torch_dtype, device=device))
+    return filled
 
 
 def module_runner(module):
@@ -206,11 +275,11 @@ class BucketRunner:
         ]
 
     def _run_bucket(self, size: int, blocks: list[list[np.ndarray]]) -> list[np.ndarray]:
-        """Blocks of rows copied into bucket ``size``'s staging buffers (the rest zeroed)
+        """Blocks of rows copied into bucket ``size``'s staging buffers (the rest padding)
         and run; the outputs' filled rows."""
         staging = self._staging[size]
-        filled = _stage(staging, blocks)
-        flat = _flat_outputs(self.run, staging, self.device)
+        filled = _stage(staging, blocks, self.signature.inputs)
+        flat = _flat_outputs(self.run, staging, self.device, self.signature.uint8_images)
         for spec, value in zip(self.signature.outputs, flat):
             if value.shape[:1] != (size,):
                 raise BladesmithError(
@@ -223,7 +292,7 @@ class BucketRunner:
 
     def _new_staging(self, size: int) -> list[torch.Tensor]:
         staging = [
-            torch.from_numpy(np.zeros((size, *spec.dims), spec.dtype))
+            torch.from_numpy(np.zeros((size, *spec.model_dims), spec.dtype))
             for spec in self.signature.inputs
         ]
         return (
@@ -241,7 +310,9 @@ class BucketRunner:
             return dict.fromkeys(sizes, fixed)
         generator = np.random.default_rng(0)
         rows = [
-            random_rows(generator, spec.dtype, (full, *spec.dims), self.signature.detections)
+            random_rows(
+                generator, spec.dtype, (full, *spec.dims), self.signature.detections, spec.values
+            )
             for spec in self.signature.inputs
         ]
         reference = self._answer_rows(rows)
@@ -281,10 +352,15 @@ def smaller_buckets(batch: int) -> list[int]:
 
 
 def random_rows(
-    generator: np.random.Generator, dtype: np.dtype, shape, photos: bool = False
+    generator: np.random.Generator,
+    dtype: np.dtype,
+    shape,
+    photos: bool = False,
+    values: tuple[int, int] | None = None,
 ) -> np.ndarray:
-    """Random rows of a served input, like images: uint8 in [0, 255], else float32 in
-    [0, 1). With ``photos`` (a detector's images, [N, 3, H, W]), N distinct views of
+    """Random rows of a served input: floats in [0, 1), booleans, integers in ``values``
+    (an integer input's range in the test data: token ids, lengths), uint8 images in
+    [0, 255]. With ``photos`` (a detector's images, [N, 3, H, W]), N distinct views of
     real photographs (``varied_photos``): a detector answers random pixels with nearly
     the same detections whatever they are, so one row's answer could pass for another's."""
     if photos and len(shape) == 4 and shape[1] == 3:
@@ -293,9 +369,12 @@ def random_rows(
         seed = int(generator.integers(2**31))
         rows = varied_photos(shape[0], tuple(shape[2:]), seed).numpy()
         return np.rint(rows * 255).astype(np.uint8) if dtype == np.uint8 else rows
-    if dtype == np.uint8:
-        return generator.integers(0, 256, shape, dtype=np.uint8)
-    return generator.random(shape, dtype=np.float32)
+    if dtype == np.bool_:
+        return generator.integers(0, 2, shape).astype(np.bool_)
+    if np.issubdtype(dtype, np.integer):
+        low, high = values if values is not None else (0, 255)  # uint8 images
+        return generator.integers(low, high, shape, dtype=dtype, endpoint=True)
+    return generator.random(shape, dtype=np.float32).astype(dtype, copy=False)
 
 
 def _only_at_its_batch(module) -> str | None:
@@ -341,17 +420,18 @@ def _buckets(requests: list[list[np.ndarray]], size: int):
         yield bucket
 
 
-def _stage(staging: list[torch.Tensor], blocks: list[list[np.ndarray]]) -> int:
+def _stage(staging: list[torch.Tensor], blocks: list[list[np.ndarray]], inputs) -> int:
     """Copy blocks of rows (per block, one array per input) into a bucket's staging
-    buffers, zeroing the rest; returns the rows filled."""
+    buffers, the rest padded with each input's ``fill``; returns the rows filled."""
     filled = 0
     for block in blocks:
         count = block[0].shape[0]
         for buffer, array in zip(staging, block):
-            buffer.numpy()[filled : filled + count] = array
+            # A per-row scalar comes as [N, 1] and goes to the model as [N].
+            buffer.numpy()[filled : filled + count] = array.reshape(count, *buffer.shape[1:])
         filled += count
-    for buffer in staging:
-        buffer.numpy()[filled:] = 0
+    for buffer, spec in zip(staging, inputs):
+        buffer.numpy()[filled:] = spec.fill
     return filled
 
 
@@ -365,28 +445,26 @@ def _all_finite(array: np.ndarray) -> bool:
     return bool(np.isfinite(array.sum())) or bool(np.isfinite(array).all())
 
 
-def _flat_outputs(run, tensors: list[torch.Tensor], device) -> list[np.ndarray]:
+def _flat_outputs(run, tensors: list[torch.Tensor], device, uint8_images: bool) -> list[np.ndarray]:
     if device.type == "cuda":  # a graph's inputs live on its device
         tensors = [t.to(device, non_blocking=True) for t in tensors]
-    tensors = [t.float().div_(255) if t.dtype == torch.uint8 else t for t in tensors]
+    if uint8_images:
+        tensors = [tensors[0].float().div_(255)]
     with torch.no_grad():
         outputs = run(*tensors)
     return [_to_numpy(value) for value in pytree.tree_leaves(outputs)]
 
 
 def _graphed(run, device: torch.device, signature: Signature):
-    """``run`` replayed from a CUDA graph captured now on a zero bucket, or ``run`` itself
+    """``run`` replayed from a CUDA graph captured now on a padding bucket, or ``run`` itself
     where the artifact cannot be captured (said on stderr: the server still serves)."""
     from bladesmith.runtimes.cuda_graph import CudaGraphRunner
 
     graphed = CudaGraphRunner(run, device)
-    zeros = [
-        torch.zeros((signature.bucket, *spec.dims), dtype=torch.float32, device=device)
-        for spec in signature.inputs
-    ]
+    inputs = _filled(signature.inputs, signature.bucket, signature.uint8_images, device)
     try:
         with torch.no_grad():
-            graphed(*zeros)
+            graphed(*inputs)
     except RuntimeError as error:
         print(
             f"bladesmith serve: no CUDA graph for this artifact ({_reason(error)})", file=sys.stderr
