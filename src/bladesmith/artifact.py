@@ -91,11 +91,12 @@ class OptimizedModule(nn.Module):
         # The model as given (nothing applied) runs as its own forward, through nothing.
         untouched = not candidate.applied and candidate.runner is None
         run = candidate.module if untouched else candidate
-        if candidate.family is not None and example_args is not None:
+        if candidate.family is not None and spec is not None:
             # Its trace or graph has no size check (Python's is not traced): images of
             # another size or dtype would be resized and normalised as if of its own.
             why = "its fixed-shape pipeline was built for images of this size"
-            run = Checked(run, BuiltFor.of(example_args, free_batch=True, why=why), "images")
+            built_for = BuiltFor.of(spec, free_batch=True, why=why)
+            run = Checked(run, built_for, "images") if built_for else run
         return cls(
             run,
             device=candidate.device,
@@ -226,7 +227,7 @@ def write(optimized: OptimizedModule, path: Path, form: str = "", *, inductor_co
     metadata["libraries"] = libraries.store(libraries.libraries_of(operators), path)
     if form == AOTI_SUFFIX:
         why = "AOTInductor compiled it for these shapes"
-        metadata["inputs"] = BuiltFor.of(args, free_batch=False, why=why).to_dict()
+        metadata["inputs"] = {"free_batch": False, "why": why}
         exported = torch.export.export(module, args, strict=False)
         configs = {
             **(inductor_configs or {}),
@@ -244,7 +245,7 @@ def write(optimized: OptimizedModule, path: Path, form: str = "", *, inductor_co
         why = "traced at these sizes" + (
             ", and checked at other batches" if free else "; at another batch it answers otherwise"
         )
-        metadata["inputs"] = BuiltFor.of(args, free_batch=free, why=why).to_dict()
+        metadata["inputs"] = {"free_batch": free, "why": why}
         extra = {_TORCHSCRIPT_EXTRA: json.dumps(metadata)}
         with quiet_torchscript():
             write_atomically(
@@ -351,7 +352,8 @@ def load(path: str | os.PathLike) -> OptimizedModule:
             "bladesmith.onnx.session)"
         )
     info = json.loads(metadata)
-    built_for = BuiltFor.from_dict(info["inputs"]) if "inputs" in info else None
+    spec = Spec.from_dict(info["spec"])
+    built_for = BuiltFor.of(spec, **info["inputs"]) if "inputs" in info else None
     if built_for is not None:
         run = Checked(run, built_for, str(path))
     return OptimizedModule(
@@ -359,7 +361,7 @@ def load(path: str | os.PathLike) -> OptimizedModule:
         device=info["device"],
         family=family_named(info["family"]) if info.get("family") else None,
         output=info["output"],
-        spec=Spec.from_dict(info["spec"]),
+        spec=spec,
         batch_fixed=path.suffix == AOTI_SUFFIX or (built_for and not built_for.free_batch),
     )
 

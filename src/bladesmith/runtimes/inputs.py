@@ -4,8 +4,9 @@ An AOTInductor package runs any input as the shapes and dtypes it was compiled f
 checks them only under AOTI_RUNTIME_CHECK_INPUTS=1), and a trace can keep its example's
 batch (``if x.size(0) > 1:`` is recorded as the branch the example took): either answers
 a call of another shape with rows read past the input, or computed for another batch.
-A loaded artifact therefore records what it was built for (``BuiltFor``) and refuses
-anything else in one line (``Checked``).
+A loaded artifact therefore runs what it was built for (``BuiltFor``: its spec's input
+shapes and dtypes, and whether its batch is free, which its metadata records) and
+refuses anything else in one line (``Checked``).
 """
 
 from __future__ import annotations
@@ -23,42 +24,25 @@ def tensors_in(tree) -> list[torch.Tensor]:
     return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 @dataclass(frozen=True)
 class BuiltFor:
-    """The tensor inputs a runner was built for: their shapes and dtypes, and whether
-    the first dimension of each may take any size (checked, ``follows_the_batch``)."""
+    """The tensor inputs a runner was built for: their shapes and dtypes (a spec's
+    ``input_shapes`` and ``input_dtypes``), and whether the first dimension of each may
+    take any size (checked: ``follows_the_batch``); ``why`` others are refused."""
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     free_batch: bool
-    why: str  # why other inputs are refused, for the message
+    why: str
 
     @classmethod
-    def of(cls, args, *, free_batch: bool, why: str) -> BuiltFor:
-        tensors = tensors_in(args)
-        return cls(
-            tuple(tuple(x.shape) for x in tensors),
-            tuple(_dtype_name(x.dtype) for x in tensors),
-            free_batch and all(x.dim() for x in tensors),
-            why,
-        )
-
-    @classmethod
-    def from_dict(cls, data: dict) -> BuiltFor:
-        shapes = tuple(tuple(shape) for shape in data["shapes"])
-        return cls(shapes, tuple(data["dtypes"]), data["free_batch"], data["why"])
-
-    def to_dict(self) -> dict:
-        return {
-            "shapes": [list(shape) for shape in self.shapes],
-            "dtypes": list(self.dtypes),
-            "free_batch": self.free_batch,
-            "why": self.why,
-        }
+    def of(cls, spec, *, free_batch: bool, why: str) -> BuiltFor | None:
+        """What ``spec``'s inputs are; None for a spec that does not record their dtypes
+        (an artifact saved before it did)."""
+        if len(spec.input_dtypes) != len(spec.input_shapes):
+            return None
+        free = free_batch and all(spec.input_shapes)
+        return cls(spec.input_shapes, spec.input_dtypes, free, why)
 
     def fits(self, shape: tuple[int, ...], built: tuple[int, ...]) -> bool:
         if self.free_batch and len(shape) == len(built) and shape:
@@ -68,7 +52,7 @@ class BuiltFor:
     def problem(self, args, kwargs) -> str | None:
         """Why a call with these arguments cannot run, or None."""
         tensors = tensors_in((args, kwargs))
-        got = [(tuple(x.shape), _dtype_name(x.dtype)) for x in tensors]
+        got = [(tuple(x.shape), str(x.dtype).removeprefix("torch.")) for x in tensors]
         if len(got) == len(self.shapes) and all(
             self.fits(shape, built) and dtype == want
             for (shape, dtype), built, want in zip(got, self.shapes, self.dtypes)
