@@ -1,7 +1,7 @@
 """The user's operator libraries given wrong: two builds of one namespace (which abort
-the process once both are loaded), another version's schema, another library than the
-model's, a folder. Each is one line naming the files. The libraries are built in their
-own processes: two of them must never meet in one."""
+the process once both are loaded), another version's schema, no kernel for the device,
+another library than the model's, a folder. Each is one line naming the files. The
+libraries are built in their own processes: two of them must never meet in one."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from bladesmith.cli import main
+from bladesmith.errors import BladesmithError, ModelRunError
 from bladesmith.ops import libraries
 
 _HEADER = "#include <ATen/ATen.h>\n#include <torch/library.h>\n"
@@ -149,6 +152,32 @@ def test_another_versions_schema_names_both_and_the_models_call(built, tmp_path)
         "at most 2 arguments but found 3 positional arguments)"
     ) in error
     assert "load the version of the library that the model was made with" in error
+
+
+class CallsTheGpuOnlyOperator(nn.Module):
+    def forward(self, x):
+        return torch.ops.gpu_only_ops.twice(x)
+
+
+@pytest.mark.parametrize("form", ["eager", "scripted"])
+def test_an_operator_without_a_kernel_for_the_device_says_which_it_has(built, form):
+    """TorchScript's message ends with the dispatcher's fallbacks: the line said was
+    "PythonDispatcher: registered at ...", with advice on the input size."""
+    import bladesmith
+
+    libraries.load(built["gpu_only_ops"])
+    model = CallsTheGpuOnlyOperator()
+    if form == "scripted":
+        model = torch.jit.script(model)
+    config = bladesmith.Config(warmup=0, iters=1, progress=False)
+    with pytest.raises(BladesmithError) as raised:
+        bladesmith.optimize(model, device="cpu", test_data=[torch.rand(2, 3)], config=config)
+    assert not isinstance(raised.value, ModelRunError)  # the CLI would blame the input size
+    assert str(raised.value) == (
+        "gpu_only_ops::twice has no CPU kernel in gpu_only_ops.so (it has: CUDA): register "
+        "one (TORCH_LIBRARY_IMPL(gpu_only_ops, CPU, m)), or optimize for a device it has one "
+        "for"
+    )
 
 
 def _cli(argv: list[str], capsys) -> str:

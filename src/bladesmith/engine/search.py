@@ -456,6 +456,10 @@ def _reference_outputs(given: Candidate, context: Context) -> list:
     try:
         outputs = _outputs(given, context)
     except Exception as error:
+        error = _with_message(error, given, context)
+        no_kernel = libraries.kernel_error(error)  # not the inputs' fault
+        if no_kernel is not None:
+            raise no_kernel from error
         shapes = [
             list(x.shape)
             for x in pytree.tree_leaves(context.example_args)
@@ -463,7 +467,7 @@ def _reference_outputs(given: Candidate, context: Context) -> list:
         ]
         raise ModelRunError(
             f"the model as given failed on the test inputs (tensors of shapes {shapes}): "
-            f"{first_line(_with_message(error, given, context))}"
+            f"{first_line(error)}"
         ) from error
     _check_state_kept(given, context, before)
     return outputs

@@ -208,6 +208,32 @@ def recording() -> Iterator[set[str]]:
         yield seen
 
 
+# The dispatcher's refusal of an operator with no kernel for its inputs' device.
+_NO_KERNEL = re.compile(r"Could not run '(?P<op>[\w:.]+)' with arguments from the '(?P<key>\w+)'")
+# A kernel in torch._C._dispatch_dump: "CPU: registered at ...", "Autograd[alias]: ...".
+_KERNEL = re.compile(r"^(?P<key>\w+)(?:\[alias\])?: registered at ", re.MULTILINE)
+
+
+def kernel_error(error: BaseException) -> BladesmithError | None:
+    """One line for the dispatcher's error when one of the user's operators has no kernel
+    for the device the model ran on: the operator, its library, the kernels it has (the
+    error itself lists every fallback); None for any other error."""
+    match = _NO_KERNEL.search(str(error))
+    if match is None or not is_user_operator(match.group("op")):
+        return None
+    operator, key = match.group("op", "key")
+    library = _library_defining(operator)
+    origin = f" in {library.name}" if library else ""
+    dump = torch._C._dispatch_dump(operator)
+    kernels = sorted({k for k in _KERNEL.findall(dump) if k != "debug"})
+    has = f"it has: {', '.join(kernels)}" if kernels else "it has a schema and no kernel"
+    return BladesmithError(
+        f"{operator} has no {key} kernel{origin} ({has}): register one "
+        f"(TORCH_LIBRARY_IMPL({operator.split('::')[0]}, {key}, m)), or optimize for a "
+        "device it has one for"
+    )
+
+
 def has_fake_kernel(name: str) -> bool:
     """Whether operator ``name`` can run on fake tensors (``torch.library.register_fake``
     or a Meta kernel): what ``torch.export`` and Inductor need to trace through it."""
