@@ -63,6 +63,7 @@ def export(
     path.parent.mkdir(parents=True, exist_ok=True)
     ops.load_library()
     if isinstance(model, torch.jit.ScriptModule):  # its graph names them: check first
+        _check_all_arguments_given(model, args)
         user_ops.check_translations(libraries.operators_called(model))
     workdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
@@ -142,6 +143,25 @@ def _given_arguments_only(model, args):
     wrapper = _Forward(model)
     wrapper.training = model.training  # the exporter restores this mode on the model after
     return wrapper
+
+
+def _check_all_arguments_given(model: torch.jit.ScriptModule, args: tuple) -> None:
+    """The TorchScript exporter calls a scripted ``forward`` with the tensors passed and
+    none of its defaults: an argument left out failed inside torch ("INTERNAL ASSERT
+    FAILED ... 12 vs 11")."""
+    try:
+        parameters = model.forward.schema.arguments[1:]  # after self
+    except (AttributeError, RuntimeError):  # no forward method to read
+        return
+    left = [f"{p.name}: {p.type} = {p.default_value}" for p in parameters[len(args) :]]
+    if left:
+        raise BladesmithError(
+            f"ONNX export: the scripted forward's argument {', '.join(left)} is left at its "
+            "default, and the export of a TorchScript model needs every argument given as "
+            "a tensor: export from Python with a tensor for it (bladesmith.onnx.export("
+            "model, (x, ...), path)), or script a module whose forward calls this one "
+            "without it"
+        )
 
 
 class _Forward(torch.nn.Module):
