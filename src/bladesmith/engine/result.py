@@ -102,8 +102,9 @@ def _operator_refusals(operators) -> dict[str, str]:
         )
     untranslated = sorted(op for op in operators if not user_ops.translation(op))
     if untranslated:
+        has = "has" if len(untranslated) == 1 else "have"
         left_out[ONNX_SUFFIX] = (
-            f"{', '.join(untranslated)} has no ONNX translation ({user_ops.REGISTER_CALL} "
+            f"{', '.join(untranslated)} {has} no ONNX translation ({user_ops.REGISTER_CALL} "
             "or --onnx-op gives one)"
         )
     return left_out
