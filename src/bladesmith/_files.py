@@ -70,6 +70,10 @@ def unwritable(path: str | os.PathLike) -> str | None:
         return f"the folder {str(folder)!r} does not exist (create it first)"
     if not os.access(folder, os.W_OK | os.X_OK):
         return f"{str(folder)!r} is not a writable folder (permission denied)"
+    try:  # as write_atomically will (a pseudo file system such as /proc passes os.access)
+        tempfile.NamedTemporaryFile(dir=folder).close()
+    except OSError as error:
+        return f"cannot create a file in {str(folder)!r} ({error.strerror or error})"
     return None
 
 

@@ -337,9 +337,9 @@ def load(path: str | os.PathLike) -> OptimizedModule:
         else:
             run, metadata = _read_onnx(path)
     except Exception as error:  # torch, protobuf and zipfile each raise their own
-        missing = libraries.missing_operator_error(error, path, _peek_libraries(path))
-        if missing is not None:
-            raise missing from None
+        operator = libraries.operator_error(error, path, _peek_libraries(path))
+        if operator is not None:
+            raise operator from None
         hint = f"; bladesmith's custom operators did not load: {ops_error}" if ops_error else ""
         raise BladesmithError(
             f"load: cannot load {str(path)!r}, {contents(path)} ({first_line(error)}){hint}; "

@@ -162,6 +162,53 @@ class NotAsTorchScript(Faster):
     refuses_formats = {".pt": "it runs elsewhere"}
 
 
+@torch.library.custom_op("engine_test::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class CallsAnOperator(nn.Module):
+    """A user's operator without an ONNX translation."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return torch.ops.engine_test.twice(self.linear(x))
+
+
+def test_a_format_no_result_can_be_saved_in_is_refused_before_any_pass():
+    ran = []
+
+    class Recorded(Faster):
+        name = "recorded"
+
+        def apply(self, candidate, context):
+            ran.append(candidate)
+            return super().apply(candidate, context)
+
+    scripted = torch.jit.script(nn.Linear(4, 3))
+    with pytest.raises(BladesmithError) as raised:
+        run([Recorded()], model=scripted, config=QUICK.replace(save_as=".pt2"))
+    assert str(raised.value) == (
+        "the result is to be saved as .pt2 (Config(save_as=...), --out), which it cannot be: "
+        "a TorchScript model does not go through torch.export; save as .pt or .onnx"
+    )
+    with pytest.raises(BladesmithError) as raised:
+        run([Recorded()], model=CallsAnOperator(), config=QUICK.replace(save_as=".onnx"))
+    assert str(raised.value).endswith(
+        "which it cannot be: engine_test::twice has no ONNX translation "
+        "(bladesmith.onnx.register_op or --onnx-op gives one); save as .pt2 or .pt"
+    )
+    assert not ran
+
+
 def test_a_pass_whose_result_cannot_be_saved_as_asked_is_skipped_and_refuses_it():
     _, spec, report = run([NotAsTorchScript()], config=QUICK.replace(save_as=".pt"))
     (record,) = report.optimizations

@@ -353,6 +353,38 @@ def test_a_module_whose_forward_has_bool_defaults_exports_with_its_outputs(tmp_p
         torch.testing.assert_close(got, layer(x), rtol=1e-4, atol=1e-5)
 
 
+class OptionalBias(torch.nn.Module):
+    def forward(self, x, bias: torch.Tensor | None = None):
+        return x * 2 if bias is None else x * 2 + bias
+
+
+class WithoutBias(torch.nn.Module):
+    """What the refusal advises: a module whose forward calls the model without it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def test_a_scripted_forwards_argument_left_at_its_default_is_named(tmp_path):
+    """torch's exporter failed inside ("INTERNAL ASSERT FAILED ... 2 vs 1")."""
+    model, x = torch.jit.script(OptionalBias()), torch.rand(2, 3)
+    with pytest.raises(BladesmithError) as raised:
+        export(model, (x,), tmp_path / "optional.onnx")
+    message = str(raised.value)
+    assert message.startswith(
+        "ONNX export: the scripted forward's argument bias: Optional[Tensor] = None is left "
+        "at its default"
+    )
+    assert "INTERNAL ASSERT" not in message and "\n" not in message
+    path = export(torch.jit.script(WithoutBias(model)), (x,), tmp_path / "without.onnx")
+    (got,) = session(path, device="cpu")(x)
+    torch.testing.assert_close(got, 2 * x)
+
+
 class Flags(torch.nn.Module):
     """Non-tensor arguments, which the export holds as constants in the graph."""
 

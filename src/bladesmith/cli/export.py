@@ -54,7 +54,8 @@ def add_parser(subparsers) -> None:
         default="domain",
         help=(
             "domain: one ai.onnx.contrib node per operator, run by bladesmith.onnx.session; "
-            "standard: standard ONNX only, for any ONNX Runtime provider and TensorRT "
+            "standard: standard ONNX only, for any ONNX Runtime provider and TensorRT (your "
+            "own operators need an onnxscript lowering: bladesmith.onnx.register_op) "
             "(default domain)"
         ),
     )

@@ -101,9 +101,9 @@ def load_model_file(path) -> nn.Module:
     except Exception as error:  # torch raises RuntimeError, ValueError, pickle errors...
         from bladesmith.ops import libraries
 
-        missing = libraries.missing_operator_error(error, f"model {path}")
-        if missing is not None:
-            raise missing from None
+        operator = libraries.operator_error(error, f"model {path}")
+        if operator is not None:
+            raise operator from None
         what = contents(path)
         why = "" if what.startswith(("a pickled", "a torch.save")) else f" ({first_line(error)})"
         raise BladesmithError(

@@ -78,42 +78,59 @@ def _save_formats(
 ) -> tuple[list[str], dict[str, str]]:
     """The formats ``save`` can write, the one closest to what runs first, and those left
     out (suffix: why; what the user's operators rule out is noted in the report too)."""
-    device = context.device
+    order = [AOTI_SUFFIX, TORCHSCRIPT_SUFFIX]
+    if context.device.type != "cuda":
+        order.reverse()
+    left_out = _kind_refusals(best.module, context.device)
+    for suffix, why in _operator_refusals(context.user_operators).items():
+        if suffix not in left_out:
+            left_out[suffix] = why
+            context.notes.append(f"not saved as {suffix}: {why}")
+    formats = [each for each in (*order, ONNX_SUFFIX) if each not in left_out]
+    if saves_as in formats:  # what the backend runs comes first
+        formats.remove(saves_as)
+        formats.insert(0, saves_as)
+    return formats, left_out
+
+
+def unreachable_formats(module, context: Context) -> dict[str, str]:
+    """The save formats that no result of ``module`` can be written in (suffix: why):
+    what the model is, the device and the user's operators decide it, all known once the
+    model as given has run."""
+    return {
+        **_operator_refusals(context.user_operators),
+        **_kind_refusals(module, context.device),
+    }
+
+
+def _kind_refusals(module, device: torch.device) -> dict[str, str]:
     left_out = {}
-    if is_torchscript(best.module):
-        formats = [TORCHSCRIPT_SUFFIX]
+    if is_torchscript(module):
         left_out[AOTI_SUFFIX] = "a TorchScript model does not go through torch.export"
-    elif device.type == "cuda":
-        formats = [AOTI_SUFFIX, TORCHSCRIPT_SUFFIX]
-    else:
-        formats = [TORCHSCRIPT_SUFFIX, AOTI_SUFFIX]
-    if device.type == "cpu":
-        formats.append(ONNX_SUFFIX)
-    else:
+    if device.type != "cpu":
         left_out[ONNX_SUFFIX] = (
             f"bladesmith checks a saved {ONNX_SUFFIX} in ONNX Runtime on the CPU: optimize "
             "with device='cpu' for one"
         )
-    if saves_as in formats:  # what the backend runs comes first
-        formats.remove(saves_as)
-        formats.insert(0, saves_as)
-    lacking = libraries.without_fake_kernel(context.user_operators)
-    if lacking and AOTI_SUFFIX in formats:
-        formats.remove(AOTI_SUFFIX)
+    return left_out
+
+
+def _operator_refusals(operators) -> dict[str, str]:
+    left_out = {}
+    lacking = libraries.without_fake_kernel(operators)
+    if lacking:
         left_out[AOTI_SUFFIX] = (
             f"torch.export cannot trace {', '.join(lacking)} (no fake kernel; "
             "torch.library.register_fake gives one)"
         )
-        context.notes.append(f"not saved as {AOTI_SUFFIX}: {left_out[AOTI_SUFFIX]}")
-    untranslated = sorted(op for op in context.user_operators if not user_ops.translation(op))
-    if untranslated and ONNX_SUFFIX in formats:
-        formats.remove(ONNX_SUFFIX)
+    untranslated = sorted(op for op in operators if not user_ops.translation(op))
+    if untranslated:
+        has = "has" if len(untranslated) == 1 else "have"
         left_out[ONNX_SUFFIX] = (
-            f"{', '.join(untranslated)} has no ONNX translation ({user_ops.REGISTER_CALL} "
-            "gives one)"
+            f"{', '.join(untranslated)} {has} no ONNX translation ({user_ops.REGISTER_CALL} "
+            "or --onnx-op gives one)"
         )
-        context.notes.append(f"not saved as {ONNX_SUFFIX}: {left_out[ONNX_SUFFIX]}")
-    return formats, left_out
+    return left_out
 
 
 def constant_argument_refusals(best: Candidate, context: Context) -> dict[str, str]:

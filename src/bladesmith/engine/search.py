@@ -47,10 +47,11 @@ from bladesmith.engine.result import (
     constant_argument_refusals,
     diagnosis,
     spec_of,
+    unreachable_formats,
     with_tried_formats,
 )
 from bladesmith.engine.state import changed, fingerprint
-from bladesmith.errors import describe
+from bladesmith.errors import BladesmithError, describe
 from bladesmith.families import family_of
 from bladesmith.ops import libraries
 from bladesmith.passes import registry
@@ -58,7 +59,7 @@ from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, PassSkipped
 from bladesmith.report import PassRecord, Report, hardware_context, software_context
 from bladesmith.runtimes.torchscript import is_torchscript
-from bladesmith.spec import Spec
+from bladesmith.spec import SAVE_FORMATS, Spec
 from bladesmith.verify import degenerate_reasons
 
 # Times a pass's comparison is re-run when its interval holds the bar but its figure
@@ -150,6 +151,7 @@ def optimize(
                 _reference_outputs(best, context), working, context, family_of(working)
             )
     context.user_operators = frozenset(filter(libraries.is_user_operator, dispatched))
+    _check_save_as(working, context)
     nothing = degenerate_reasons(reference.outputs, test_args)
     if nothing:
         consent = (
@@ -382,6 +384,20 @@ def _below_bar(speedup: float) -> str:
     return f"{math.floor(speedup * 100) / 100:.2f}x"
 
 
+def _check_save_as(model, context: Context) -> None:
+    """Refuse, before any pass runs, a ``save_as`` format that no result of ``model`` can
+    be saved in."""
+    save_as = context.config.save_as
+    unreachable = unreachable_formats(model, context)
+    if save_as in unreachable:
+        others = [each for each in SAVE_FORMATS if each not in unreachable]
+        instead = f"; save as {' or '.join(others)}" if others else ""
+        raise BladesmithError(
+            f"the result is to be saved as {save_as} (Config(save_as=...), --out), which it "
+            f"cannot be: {unreachable[save_as]}{instead}"
+        )
+
+
 def _refused_formats(passes: list[Pass], best: Candidate) -> dict[str, str]:
     """The save formats that a pass in the result refuses (suffix: why), the first
     reason kept where several refuse one."""
@@ -457,6 +473,10 @@ def _reference_outputs(given: Candidate, context: Context) -> list:
     try:
         outputs = _outputs(given, context)
     except Exception as error:
+        error = _with_message(error, given, context)
+        no_kernel = libraries.kernel_error(error)  # not the inputs' fault
+        if no_kernel is not None:
+            raise no_kernel from error
         shapes = [
             list(x.shape)
             for x in pytree.tree_leaves(context.example_args)
@@ -464,7 +484,7 @@ def _reference_outputs(given: Candidate, context: Context) -> list:
         ]
         raise ModelRunError(
             f"the model as given failed on the test inputs (tensors of shapes {shapes}): "
-            f"{first_line(_with_message(error, given, context))}"
+            f"{first_line(error)}"
         ) from error
     _check_state_kept(given, context, before)
     return outputs

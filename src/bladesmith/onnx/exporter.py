@@ -24,6 +24,7 @@ import torch
 from bladesmith._files import move_into_place
 from bladesmith.errors import BladesmithError
 from bladesmith.onnx import runtime, symbolic, user_ops
+from bladesmith.onnx.custom_nodes import METADATA_KEY
 from bladesmith.ops import libraries
 
 # Protocol buffers cannot be serialised past 2 GiB; keep a margin for the graph itself.
@@ -63,7 +64,8 @@ def export(
     path.parent.mkdir(parents=True, exist_ok=True)
     ops.load_library()
     if isinstance(model, torch.jit.ScriptModule):  # its graph names them: check first
-        user_ops.check_translations(libraries.operators_called(model))
+        _check_all_arguments_given(model, args)
+        user_ops.check_translations(libraries.operators_called(model), custom_ops)
     workdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         raw = workdir / "raw.onnx"
@@ -84,7 +86,7 @@ def _torch_export(
     custom_opsets = {symbolic.DOMAIN: symbolic.DOMAIN_VERSION} if custom_ops == "domain" else {}
     with (
         symbolic.registered(custom_ops, opset),
-        user_ops.registered(opset) as user_opsets,
+        user_ops.registered(opset, custom_ops) as user_opsets,
         warnings.catch_warnings(),
         torch.no_grad(),
         _mha_fastpath_off(),
@@ -142,6 +144,25 @@ def _given_arguments_only(model, args):
     wrapper = _Forward(model)
     wrapper.training = model.training  # the exporter restores this mode on the model after
     return wrapper
+
+
+def _check_all_arguments_given(model: torch.jit.ScriptModule, args: tuple) -> None:
+    """The TorchScript exporter calls a scripted ``forward`` with the tensors passed and
+    none of its defaults: an argument left out failed inside torch ("INTERNAL ASSERT
+    FAILED ... 12 vs 11")."""
+    try:
+        parameters = model.forward.schema.arguments[1:]  # after self
+    except (AttributeError, RuntimeError):  # no forward method to read
+        return
+    left = [f"{p.name}: {p.type} = {p.default_value}" for p in parameters[len(args) :]]
+    if left:
+        raise BladesmithError(
+            f"ONNX export: the scripted forward's argument {', '.join(left)} is left at its "
+            "default, and the export of a TorchScript model needs every argument given as "
+            "a tensor: export from Python with a tensor for it (bladesmith.onnx.export("
+            "model, (x, ...), path)), or script a module whose forward calls this one "
+            "without it"
+        )
 
 
 class _Forward(torch.nn.Module):
@@ -268,7 +289,7 @@ def _finish(raw: Path, out: Path, external_data: bool | None, baked: list[dict])
     custom_nodes = user_ops.custom_nodes_metadata(model)
     if custom_nodes is not None:
         entry = model.metadata_props.add()
-        entry.key, entry.value = user_ops.METADATA_KEY, custom_nodes
+        entry.key, entry.value = METADATA_KEY, custom_nodes
     if baked:  # the session refuses other values for them (runtime.Session)
         entry = model.metadata_props.add()
         entry.key, entry.value = runtime.baked_arguments_metadata(baked)

@@ -34,11 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from bladesmith.errors import BladesmithError
+from bladesmith.onnx.custom_nodes import DEFAULT_IMPL, DOMAIN, listed
 
-DOMAIN = "ai.onnx.contrib"
-METADATA_KEY = "bladesmith.custom_nodes"
 REGISTER_CALL = "bladesmith.onnx.register_op"
-DEFAULT_IMPL = "pytorch"  # ort_impl: the operator's PyTorch kernel
 _ARGUMENT_KINDS = {  # schema type -> torch.onnx symbolic_helper.parse_args kind
     "float": "f",
     "int": "i",
@@ -103,17 +101,31 @@ def missing_translation_message(name: str) -> str:
     )
 
 
-def check_translations(operators) -> None:
-    """One line for the first of the user's ``operators`` with no translation."""
+def not_standard_message(name: str) -> str:
+    return (
+        f"custom_ops='standard' (--custom-ops standard): {name} is registered as a custom "
+        "node (--onnx-op, or register_op without onnxscript=), which is not standard ONNX: "
+        f'lower it with {REGISTER_CALL}("{name}", onnxscript=...) from Python, or export '
+        "with custom_ops='domain' (it then runs in bladesmith.onnx.session with its "
+        "library loaded)"
+    )
+
+
+def check_translations(operators, custom_ops: str = "domain") -> None:
+    """One line for the first of the user's ``operators`` with no translation, or, in
+    ``"standard"`` mode, with a custom node for one."""
     for name in sorted(operators):
         if name not in _TRANSLATIONS:
             raise BladesmithError(missing_translation_message(name))
+        if custom_ops == "standard" and _TRANSLATIONS[name].custom_node:
+            raise BladesmithError(not_standard_message(name))
 
 
 @contextlib.contextmanager
-def registered(opset: int) -> Iterator[dict[str, int]]:
+def registered(opset: int, custom_ops: str = "domain") -> Iterator[dict[str, int]]:
     """Every translation registered with the exporter for one export; yields the custom
-    opsets (domain -> version) the file needs."""
+    opsets (domain -> version) the file needs. In ``"standard"`` mode an operator the
+    export meets whose translation is a custom node is refused."""
     import torch.onnx
 
     opsets = {}
@@ -121,7 +133,11 @@ def registered(opset: int) -> Iterator[dict[str, int]]:
     try:
         for name, entry in _TRANSLATIONS.items():
             schema = _schema(name)
-            torch.onnx.register_custom_op_symbolic(name, _symbolic(entry, schema), opset)
+            if custom_ops == "standard" and entry.custom_node:
+                translate = _not_standard(name)
+            else:
+                translate = _symbolic(entry, schema)
+            torch.onnx.register_custom_op_symbolic(name, translate, opset)
             names.append(name)
             if entry.onnxscript is not None:
                 opsets[entry.onnxscript.opset.domain] = entry.onnxscript.opset.version
@@ -141,6 +157,16 @@ def _schema(name: str):
             "first (torch.ops.load_library, or --load-library)"
         )
     return schemas[0]
+
+
+def _not_standard(name: str) -> Callable:
+    """The translation of a custom node in standard mode: a refusal, for the modules whose
+    operators the export meets only as it traces them."""
+
+    def refuse(g, *values):
+        raise BladesmithError(not_standard_message(name))
+
+    return refuse
 
 
 def _symbolic(entry: Translation, schema) -> Callable:
@@ -277,7 +303,7 @@ def custom_nodes_metadata(model) -> str | None:
 def prepare_session(model, source: str) -> bool:
     """Register with onnxruntime-extensions the Python operators that the custom nodes of
     ``model`` (an ``onnx.ModelProto`` read from ``source``) need; whether there were any."""
-    entries = next((json.loads(p.value) for p in model.metadata_props if p.key == METADATA_KEY), [])
+    entries = listed(model)
     if not entries:
         return False
     types = _value_types(model)

@@ -11,6 +11,7 @@ in), copies those libraries beside a saved artifact and loads them again with it
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import json
 import os
 import re
@@ -69,17 +70,79 @@ class Library:
         return tuple(sorted({op.split("::")[0] for op in self.operators}))
 
 
-def load(path: str | os.PathLike) -> Path:
-    """Load one operator library (``torch.ops.load_library``); a missing or unloadable
-    file is one line naming it."""
+def load(path: str | os.PathLike, source: str = LIBRARY_FLAG) -> Path:
+    """Load one operator library (``torch.ops.load_library``), named in errors as
+    ``source`` gives it; a missing or unloadable file is one line naming it. The same
+    library loaded already (this file or a copy of it) is not loaded again, and one that
+    defines a namespace a loaded library defines is refused: either would register the
+    namespace twice, which aborts the process (C++ terminate)."""
     path = Path(path).expanduser().resolve()
+    if path.is_dir():
+        found = sorted(library.name for library in path.glob("*.so"))
+        inside = f"a library file in it ({', '.join(found)})" if found else "the library file"
+        raise BladesmithError(f"{source} {path}: a folder; give {inside}")
     if not path.is_file():
-        raise BladesmithError(f"{LIBRARY_FLAG} {path}: no such file")
+        raise BladesmithError(f"{source} {path}: no such file")
+    loaded = _loaded_copy(path)
+    if loaded is not None:
+        return loaded
+    _check_namespaces(path, source)
     try:
         torch.ops.load_library(str(path))
     except OSError as error:
-        raise BladesmithError(f"{LIBRARY_FLAG} {path}: cannot load it ({error})") from error
+        raise BladesmithError(f"{source} {path}: cannot load it ({error})") from error
     return path
+
+
+def _loaded_copy(path: Path) -> Path | None:
+    """The loaded library that is ``path`` or holds the same bytes, if any."""
+    for loaded in map(Path, sorted(torch.ops.loaded_libraries)):
+        if loaded.resolve() == path or (
+            loaded.is_file() and filecmp.cmp(loaded, path, shallow=False)
+        ):
+            return loaded
+    return None
+
+
+def _check_namespaces(path: Path, source: str) -> None:
+    """One line when ``path`` defines a namespace that a loaded library defines too."""
+    defined = defined_namespaces(path)
+    for loaded in sorted(torch.ops.loaded_libraries):
+        both = sorted(defined & defined_namespaces(loaded))
+        if both:
+            raise BladesmithError(
+                f"{source} {path}: it defines the operator namespace {both[0]} "
+                f"(TORCH_LIBRARY), which {loaded} defines too and is loaded already; a "
+                "process takes one library per namespace (two builds or versions of one "
+                "library?): load only one of them"
+            )
+
+
+# TORCH_LIBRARY(ns, m) defines a static object TORCH_LIBRARY_static_init_<ns>; its
+# mangled name (_ZL31TORCH_LIBRARY_static_init_myops, _ZN3fooL31...E in a C++
+# namespace) gives the name's length first. TORCH_LIBRARY_IMPL and _FRAGMENT, which may
+# share a namespace, name theirs otherwise.
+_DEFINITION = re.compile(rb"(\d+)(TORCH_LIBRARY_static_init_\w+)")
+_DEFINITION_PREFIX = len(b"TORCH_LIBRARY_static_init_")
+
+
+def defined_namespaces(path: str | os.PathLike) -> frozenset[str]:
+    """The namespaces a library binary defines with ``TORCH_LIBRARY``, read from its
+    symbol table (empty for a stripped binary, which is then loaded unchecked, and for a
+    loaded library whose file is gone)."""
+    try:
+        return _defined_namespaces(str(path), os.path.getmtime(path))
+    except OSError:
+        return frozenset()
+
+
+@lru_cache(maxsize=32)
+def _defined_namespaces(path: str, mtime: float) -> frozenset[str]:
+    names = set()
+    for length, name in _DEFINITION.findall(Path(path).read_bytes()):
+        if int(length) <= len(name):
+            names.add(name[_DEFINITION_PREFIX : int(length)].decode())
+    return frozenset(names)
 
 
 def load_all(paths: Iterable[str | os.PathLike]) -> list[Path]:
@@ -143,6 +206,32 @@ def recording() -> Iterator[set[str]]:
 
     with Record():
         yield seen
+
+
+# The dispatcher's refusal of an operator with no kernel for its inputs' device.
+_NO_KERNEL = re.compile(r"Could not run '(?P<op>[\w:.]+)' with arguments from the '(?P<key>\w+)'")
+# A kernel in torch._C._dispatch_dump: "CPU: registered at ...", "Autograd[alias]: ...".
+_KERNEL = re.compile(r"^(?P<key>\w+)(?:\[alias\])?: registered at ", re.MULTILINE)
+
+
+def kernel_error(error: BaseException) -> BladesmithError | None:
+    """One line for the dispatcher's error when one of the user's operators has no kernel
+    for the device the model ran on: the operator, its library, the kernels it has (the
+    error itself lists every fallback); None for any other error."""
+    match = _NO_KERNEL.search(str(error))
+    if match is None or not is_user_operator(match.group("op")):
+        return None
+    operator, key = match.group("op", "key")
+    library = _library_defining(operator)
+    origin = f" in {library.name}" if library else ""
+    dump = torch._C._dispatch_dump(operator)
+    kernels = sorted({k for k in _KERNEL.findall(dump) if k != "debug"})
+    has = f"it has: {', '.join(kernels)}" if kernels else "it has a schema and no kernel"
+    return BladesmithError(
+        f"{operator} has no {key} kernel{origin} ({has}): register one "
+        f"(TORCH_LIBRARY_IMPL({operator.split('::')[0]}, {key}, m)), or optimize for a "
+        "device it has one for"
+    )
 
 
 def has_fake_kernel(name: str) -> bool:
@@ -238,7 +327,7 @@ def restore(artifact: Path) -> None:
         path = index.parent / entry["file"]
         if not path.is_file():
             raise BladesmithError(missing_message(artifact, missing[0], entry["file"]))
-        load(path)
+        load(path, f"{artifact}: its library")
 
 
 def _registered(name: str) -> bool:
@@ -246,12 +335,30 @@ def _registered(name: str) -> bool:
 
 
 def missing_message(source, operator: str, library: str | None = None) -> str:
-    """One line: ``source`` needs ``operator``, from ``library`` when known."""
+    """One line: ``source`` needs ``operator``, from ``library`` when known, and what the
+    user's loaded libraries define instead."""
     origin = f" ({library})" if library else ""
     return (
         f"{source}: operator {operator} is not loaded; pass its library{origin} with "
         f"{LIBRARY_FLAG} PATH (Python: torch.ops.load_library(PATH) first)"
+        f"{_loaded_instead(operator)}"
     )
+
+
+def _loaded_instead(operator: str) -> str:
+    """What the loaded libraries of other namespaces than torch's and bladesmith's
+    define, where ``operator`` is not registered: the wrong library given, or another
+    version of the right one."""
+    namespace, _, name = operator.partition("::")
+    notes = []
+    for loaded in sorted(torch.ops.loaded_libraries):
+        defined = defined_namespaces(loaded) - _BUILTIN_NAMESPACES
+        if namespace in defined:
+            notes.append(f"{Path(loaded).name} defines {namespace} without {name}")
+        elif defined:
+            spaces = ", ".join(f"{each}::*" for each in sorted(defined))
+            notes.append(f"{Path(loaded).name} defines {spaces} only")
+    return f"; of the libraries loaded, {'; '.join(notes)}" if notes else ""
 
 
 def library_named(entries: list[dict], operator: str) -> str | None:
@@ -259,12 +366,35 @@ def library_named(entries: list[dict], operator: str) -> str | None:
     return next((e["file"] for e in entries if operator in e["operators"]), None)
 
 
-def missing_operator_error(error: BaseException, source, entries=()) -> BladesmithError | None:
-    """For TorchScript's "Unknown builtin op" ``error`` while loading ``source``: the one
-    line naming the operator, its library when ``entries`` (an artifact's) know it, and
-    the flag; None for any other error."""
-    match = _UNKNOWN_OP.search(str(error))
-    if match is None:
+# TorchScript's refusal of a call that the loaded operator's schema does not take: the
+# schema and a colon, why on the next line, and the call's line marked "<--- HERE" below.
+_REFUSED_CALL = re.compile(
+    r"^\s*(?P<op>\w+::\w+)(?:\.\w+)?\(.*\) -> .*:\n\s*(?P<why>.+?)\.?$", re.MULTILINE
+)
+_MARKED_LINE = re.compile(r"^\s*(?P<line>\S.*)\n\s*~+ <--- HERE", re.MULTILINE)
+
+
+def operator_error(error: BaseException, source, entries=()) -> BladesmithError | None:
+    """For TorchScript's error while loading ``source``: one line for an operator that is
+    not loaded ("Unknown builtin op"; its library when ``entries``, an artifact's, know
+    it) and for a call the loaded operator's schema does not take (another version of
+    its library); None for any other error."""
+    text = str(error)
+    match = _UNKNOWN_OP.search(text)
+    if match is not None:
+        operator = match.group("op")
+        return BladesmithError(missing_message(source, operator, library_named(entries, operator)))
+    match = _REFUSED_CALL.search(text)
+    if match is None or not is_user_operator(match.group("op")):
         return None
     operator = match.group("op")
-    return BladesmithError(missing_message(source, operator, library_named(entries, operator)))
+    library = _library_defining(operator)
+    origin = f" in {library}" if library else ""
+    schemas = "; ".join(map(str, torch._C._jit_get_schemas_for_operator(operator)))
+    call = _MARKED_LINE.search(text)
+    called = f" `{call.group('line').strip()}`" if call else ""
+    return BladesmithError(
+        f"{source}: the schema of {operator}{origin}, {schemas}, does not take the "
+        f"model's call{called} ({match.group('why')}): load the version of the library "
+        "that the model was made with"
+    )

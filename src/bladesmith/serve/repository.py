@@ -32,6 +32,7 @@ import numpy as np
 
 from bladesmith._files import write_atomically
 from bladesmith.errors import BladesmithError, NotAnArtifactError
+from bladesmith.onnx import custom_nodes
 from bladesmith.ops import libraries as operator_libraries
 from bladesmith.serve.signature import NUMPY_DTYPES, TRITON_DTYPES, Signature, TensorSpec
 from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
@@ -350,10 +351,18 @@ def _onnx_model(artifact, version_dir, deployment):
     model = onnx.load(str(artifact), load_external_data=False)
     custom = sorted({node.domain for node in model.graph.node} - set(_STANDARD_ONNX_DOMAINS))
     if custom:
+        # --custom-ops standard lowers bladesmith's operators, not the user's custom nodes.
+        users = sorted({entry["operator"] for entry in custom_nodes.listed(model)})
+        lower = (
+            f"with a lowering of {', '.join(users)} (bladesmith.onnx.register_op(NAME, "
+            "onnxscript=...) from Python, then custom_ops='standard')"
+            if users
+            else "(bladesmith export onnx ... --custom-ops standard)"
+        )
         raise BladesmithError(
             f"export triton: {str(artifact)!r} uses custom operator domains {custom}, which "
-            "Triton's onnxruntime backend cannot run: export standard ONNX "
-            "(bladesmith export onnx ... --custom-ops standard) or use --backend python"
+            f"Triton's onnxruntime backend cannot run: export standard ONNX {lower} or use "
+            "--backend python"
         )
     initializers = {init.name for init in model.graph.initializer}
     inputs = [_onnx_tensor(v) for v in model.graph.input if v.name not in initializers]

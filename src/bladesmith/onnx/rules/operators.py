@@ -19,6 +19,7 @@ from pathlib import Path
 
 import onnx
 
+from bladesmith.onnx import custom_nodes
 from bladesmith.onnx.rules.finding import Finding
 from bladesmith.onnx.rules.graph import STANDARD_DOMAINS, GraphView
 from bladesmith.onnx.targets import Target
@@ -346,8 +347,15 @@ def custom_operators(view: GraphView, target: Target) -> list[Finding]:
             "register the op's library: SessionOptions.register_custom_ops_library(path) "
             "(onnxruntime_extensions.get_library_path() for ai.onnx.contrib)"
         )
+    # The user's custom nodes, as the file lists them (ONNX Runtime targets).
+    users = {
+        (custom_nodes.DOMAIN, entry["op_type"]): entry
+        for entry in ([] if target.trt_shape_rules else custom_nodes.listed(view.model))
+    }
     return [
-        Finding(
+        _users_kernel(view, node, target, users[node.domain, node.op_type])
+        if (node.domain, node.op_type) in users
+        else Finding(
             rule=CUSTOM_RULE,
             severity="warning",
             target=target.name,
@@ -360,6 +368,30 @@ def custom_operators(view: GraphView, target: Target) -> list[Finding]:
         for node in view.all_nodes()
         if _normal_domain(node.domain) not in known
     ]
+
+
+def _users_kernel(view: GraphView, node, target: Target, entry: dict) -> Finding:
+    """A custom node of the user's operator (``entry``: the file's list): its code is the
+    operator's PyTorch kernel or the ``ort_impl`` registered for it, which no ONNX Runtime
+    has; only bladesmith.onnx.session registers it, in a process that has the code."""
+    operator = entry["operator"]
+    code = (
+        f"the PyTorch kernel of {operator}, which {target.title} has only inside "
+        "bladesmith.onnx.session with the operator's library loaded"
+        if entry["ort_impl"] == custom_nodes.DEFAULT_IMPL
+        else f"the ort_impl registered for {operator}, which {target.title} has only inside "
+        "bladesmith.onnx.session after that register_op call"
+    )
+    return Finding(
+        rule=CUSTOM_RULE,
+        severity="error",
+        target=target.name,
+        node=view.label(node),
+        message=f"{node.domain}::{node.op_type} runs {code}",
+        hint=f'for ONNX Runtime alone, export it as standard ONNX: register_op("{operator}", '
+        "onnxscript=...) and custom_ops='standard'",
+        source=f"the file's {custom_nodes.METADATA_KEY} metadata (bladesmith.onnx.export)",
+    )
 
 
 RULES = (unsupported_operators, custom_operators)
