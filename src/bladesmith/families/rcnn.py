@@ -437,7 +437,7 @@ class FasterRCNNFamily(DetectionFamily):
 
 class MaskRCNNFamily(DetectionFamily):
     """torchvision's Mask R-CNN: ``MaskRCNNPipeline``; the user's dicts have masks
-    [N, 1, H, W] too. Comparisons match the detections (boxes, scores, labels)."""
+    [N, 1, H, W] too, which comparisons judge on the matched detections."""
 
     name = "mask_rcnn"
     output_names = MASK_OUTPUTS
@@ -456,17 +456,8 @@ class MaskRCNNFamily(DetectionFamily):
             image["masks"] = outputs[4][i, : len(image["scores"])].float()
         return detections
 
-    def compare(self, reference, candidate, **tolerances):
-        return super().compare(_without_masks(reference), _without_masks(candidate), **tolerances)
-
     def load_note(self, pipeline: nn.Module, batch: torch.Tensor) -> str:
         return steps.detections_note("Mask R-CNN", pipeline, batch, "build_rcnn")
-
-
-def _without_masks(outputs):
-    if isinstance(outputs, list) and all(isinstance(d, dict) for d in outputs):
-        return [{k: v for k, v in d.items() if k != "masks"} for d in outputs]
-    return outputs
 
 
 FASTER_RCNN = FasterRCNNFamily()
