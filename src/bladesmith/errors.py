@@ -1,5 +1,7 @@
 """Errors that bladesmith raises on purpose; the CLI prints them without a traceback."""
 
+import contextlib
+import logging
 import re
 
 
@@ -24,6 +26,19 @@ class OpsBuildError(BladesmithError, RuntimeError):
 
 
 _MAX_ERROR_CHARS = 400
+
+
+@contextlib.contextmanager
+def quiet_log(name: str):
+    """The logger ``name`` (torch's) silenced: it logs a failure with its traceback
+    before raising it, and the error raised is what bladesmith reports, in one line."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def describe(error: BaseException) -> str:
