@@ -50,8 +50,15 @@ def describe(error: BaseException) -> str:
 
 def one_line(text: str) -> str:
     """``text`` (an error's message) on one line: a TorchScript stack inside it replaced by
-    the error it ends with, tensor values elided, whitespace runs made one space."""
-    return " ".join(without_values(fold_torchscript(text)).split())
+    the error it ends with, tensor values elided, a kernel's source location left out,
+    whitespace runs made one space."""
+    text = _SOURCE_LOCATION.sub("", without_values(fold_torchscript(text)))
+    return " ".join(text.split())
+
+
+# Where a C++ kernel raised, on the machine that built it: 'operator(),
+# /__w/vision/vision/.../nms_kernel.cpp:122, "nms_kernel" not implemented for ...'.
+_SOURCE_LOCATION = re.compile(r"\b[\w:~<>]+\(\), /\S+:\d+, ")
 
 
 _TORCHSCRIPT_STACK = "The following operation failed in the TorchScript interpreter"
