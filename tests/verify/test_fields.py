@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from torchvision.models import detection
-from verify_testing import make_detections, strict_json, take
+from verify_testing import make_detections, one_image, strict_json, take
 
 from bladesmith.engine.reference import reference_under_noise
 from bladesmith.verify import compare_detections, compare_outputs
@@ -59,7 +59,7 @@ def test_mask_rcnn_masks_are_judged(masks):
     same = compare_detections(reference, noisy)
     assert same.passed, same.summary()
     assert same.fields["masks"].deviation < 1e-2
-    assert "min mask IoU" in same.summary()
+    assert "max mask dev" in same.summary()
     strict_json(same.to_dict())
     inverted = compare_detections(reference, changed(reference, "masks", lambda m: 1 - m))
     assert not inverted.passed
@@ -73,7 +73,8 @@ def test_keypoint_rcnn_keypoints_and_their_scores_are_judged(keypoints):
     assert same.passed, same.summary()
     assert set(same.fields) == {"keypoints", "keypoints visibility", "keypoints_scores"}
 
-    # A box of side s keeps IoU 0.9 moved by s / 19: a keypoint may move as far.
+    # A box of side s moved by s / 19 keeps IoU 0.9: a keypoint may move as far (s: the
+    # larger side of its box).
     boxes = reference[0]["boxes"]
     side = (boxes[:, 2:] - boxes[:, :2]).amax(1).min()
     far = float(side) / 19 * 1.5
@@ -104,13 +105,22 @@ def mask_detections(n=4, seed=0):
     return detections
 
 
+def one_masked(box, flipped: int):
+    """One detection at ``box`` with an empty 40 x 40 mask, and the same with its first
+    ``flipped`` pixels set."""
+    reference = dict(one_image([box], [0.9]), masks=torch.zeros(1, 1, 40, 40))
+    masks = reference["masks"].clone()
+    masks.view(-1)[:flipped] = 1.0
+    return [reference], [dict(reference, masks=masks)]
+
+
 def test_masks_flipped_within_rounding_at_the_threshold_still_match():
-    reference = [mask_detections()]
-    near = reference[0]["masks"].clone()
-    near[(near - 0.5).abs() < 0.1] = 0.5  # some cross 0.5, each by under 0.1
-    candidate = [dict(reference[0], masks=near)]
-    assert compare_detections(reference, candidate, score_atol=0.1).passed
-    assert not compare_detections(reference, candidate, score_atol=1e-3).passed
+    reference, candidate = one_masked([0.0, 0.0, 10.0, 10.0], flipped=0)
+    reference[0]["masks"].view(-1)[:30] = 0.52
+    candidate[0]["masks"].view(-1)[:30] = 0.49  # across 0.5 by less than 0.05
+    assert compare_detections(reference, candidate, score_atol=0.05).passed
+    result = compare_detections(reference, candidate, score_atol=1e-3)
+    assert not result.passed and result.fields["masks"].deviation == pytest.approx(0.3)
 
 
 def test_masks_are_compared_with_their_matched_detections_in_any_order():
@@ -158,14 +168,20 @@ def test_a_field_with_no_measure_is_named_as_not_verified():
     assert both.passed and "not verified: out[0]['embedding']" in both.summary()
 
 
-def test_field_tolerances_override_the_default():
-    reference = [mask_detections()]
-    inverted = [dict(reference[0], masks=1 - reference[0]["masks"])]
-    assert not compare_detections(reference, inverted).passed
-    loose = compare_detections(reference, inverted, field_tolerances={"masks": 1.0})
-    assert loose.passed and loose.fields["masks"].tolerance == 1.0
-    through = compare_outputs(reference, inverted, field_tolerances={"masks": 1.0})
-    assert through.passed
+def test_masks_may_flip_what_a_box_moved_within_the_iou_threshold_changes():
+    """A box moved as far as IoU 0.9 allows changes 2 x 0.1 / 1.9 = 10.5% of its area:
+    a mask may flip as many pixels, at the scale of its own box."""
+    reference, candidate = one_masked([0.0, 0.0, 10.0, 10.0], flipped=10)
+    result = compare_detections(reference, candidate)
+    assert result.passed and result.fields["masks"].deviation == pytest.approx(0.1)
+    assert "max mask dev 10% of its box's area at 0.5 (max 10.5%)" in result.summary()
+    reference, candidate = one_masked([0.0, 0.0, 10.0, 10.0], flipped=20)
+    assert not compare_detections(reference, candidate).passed
+    loose = compare_detections(reference, candidate, field_tolerances={"masks": 0.25})
+    assert loose.passed and loose.fields["masks"].tolerance == 0.25
+    assert compare_outputs(reference, candidate, field_tolerances={"masks": 0.25}).passed
+    reference, candidate = one_masked([0.0, 0.0, 20.0, 20.0], flipped=20)
+    assert compare_detections(reference, candidate).passed  # 5% of a larger box
 
 
 def test_no_matched_detection_leaves_a_field_unmeasured():

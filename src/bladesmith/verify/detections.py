@@ -165,8 +165,8 @@ def compare_detections(
     ``strict_f1`` excuses nothing.
 
     Every other field of a detection is compared on the matched pairs by its measure in
-    ``verify.fields.MEASURES`` (masks by their IoU at 0.5, keypoints by how far they
-    move relative to their box, keypoint scores like scores), at ``field_tolerances``
+    ``verify.fields.MEASURES`` (masks by the pixels they flip at 0.5 and keypoints by
+    how far they move, relative to their box; keypoint scores like scores), at ``field_tolerances``
     (by measure name) or the measure's default; one with no measure is listed in
     ``unverified`` and named in the summary. The candidate must have the reference's
     keys.

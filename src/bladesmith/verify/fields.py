@@ -67,15 +67,16 @@ class _Measure:
 
 
 def _mask_deviations(ref, cand, boxes, band):
-    """1 - IoU of the masks at 0.5; a pixel the candidate puts on the other side of 0.5
-    but within ``band`` (the dtype's score tolerance) of the reference counts on the
-    reference's side: rounding alone flips it."""
+    """The pixels on the other side of 0.5 than the reference's, over its box's area
+    (the scale the box itself is judged at: a mask's IoU would hold a small mask to a
+    stricter standard than its box, where a paste moved by one pixel is a large part of
+    it). A pixel within ``band`` (the dtype's score tolerance) of the reference counts on
+    the reference's side: rounding alone flips it."""
     ref, cand = ref.flatten(1), cand.flatten(1)
     inside = ref > 0.5
     theirs = torch.where((cand - ref).abs() <= band, inside, cand > 0.5)
-    union = (inside | theirs).sum(1)
-    iou = (inside & theirs).sum(1) / union.clamp(min=1)
-    return 1 - torch.where(union > 0, iou, 1.0)
+    area = ((boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])).clamp(min=1)
+    return (inside ^ theirs).sum(1) / area
 
 
 def _keypoint_deviations(ref, cand, boxes, band):
@@ -94,7 +95,8 @@ def _keypoint_score_deviations(ref, cand, boxes, band):
 
 
 # A box shifted by d along its side s keeps IoU (s - d) / (s + d): a keypoint may move
-# as far, relative to its box, as the IoU threshold lets the box itself move.
+# as far, relative to its box, as the IoU threshold lets the box itself move, and a mask
+# may change as many pixels as that shift changes of a box (2d of s, on each side).
 def _box_shift(iou_threshold: float, score_atol: float) -> float:
     return (1 - iou_threshold) / (1 + iou_threshold)
 
@@ -103,9 +105,9 @@ MEASURES = {
     "masks": _Measure(
         "masks",
         _mask_deviations,
-        lambda iou_threshold, score_atol: 1 - iou_threshold,
+        lambda iou_threshold, score_atol: 2 * _box_shift(iou_threshold, score_atol),
         lambda dev, tol: (
-            f"min mask IoU {sci(None if dev is None else 1 - dev)} at 0.5 (min {sci(1 - tol)})"
+            f"max mask dev {_percent(dev)} of its box's area at 0.5 (max {_percent(tol)})"
         ),
     ),
     "keypoints": _Measure(
