@@ -28,3 +28,12 @@ def test_a_torchscript_stack_is_folded_to_the_error_it_ends_with():
     assert line.startswith("export failed (RuntimeError: Given groups=1"), line
     assert line.endswith("but got 3 channels instead). Check the model"), line
     assert "HERE" not in line and "Traceback" not in line
+
+
+def test_a_kernels_source_location_is_left_out():
+    """torchvision's kernels name the file they were built from, on its build machine."""
+    error = RuntimeError(
+        "operator(), /__w/vision/vision/pytorch/vision/torchvision/csrc/ops/cpu/"
+        "nms_kernel.cpp:122, \"nms_kernel\" not implemented for 'BFloat16'"
+    )
+    assert describe(error) == "RuntimeError: \"nms_kernel\" not implemented for 'BFloat16'"

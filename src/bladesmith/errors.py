@@ -1,5 +1,7 @@
 """Errors that bladesmith raises on purpose; the CLI prints them without a traceback."""
 
+import contextlib
+import logging
 import re
 
 
@@ -26,6 +28,19 @@ class OpsBuildError(BladesmithError, RuntimeError):
 _MAX_ERROR_CHARS = 400
 
 
+@contextlib.contextmanager
+def quiet_log(name: str):
+    """The logger ``name`` (torch's) silenced: it logs a failure with its traceback
+    before raising it, and the error raised is what bladesmith reports, in one line."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def describe(error: BaseException) -> str:
     """One line for a report: the error's type and message, cut at 400 characters (tensor
     values elided)."""
@@ -35,8 +50,15 @@ def describe(error: BaseException) -> str:
 
 def one_line(text: str) -> str:
     """``text`` (an error's message) on one line: a TorchScript stack inside it replaced by
-    the error it ends with, tensor values elided, whitespace runs made one space."""
-    return " ".join(without_values(fold_torchscript(text)).split())
+    the error it ends with, tensor values elided, a kernel's source location left out,
+    whitespace runs made one space."""
+    text = _SOURCE_LOCATION.sub("", without_values(fold_torchscript(text)))
+    return " ".join(text.split())
+
+
+# Where a C++ kernel raised, on the machine that built it: 'operator(),
+# /__w/vision/vision/.../nms_kernel.cpp:122, "nms_kernel" not implemented for ...'.
+_SOURCE_LOCATION = re.compile(r"\b[\w:~<>]+\(\), /\S+:\d+, ")
 
 
 _TORCHSCRIPT_STACK = "The following operation failed in the TorchScript interpreter"

@@ -77,3 +77,48 @@ def test_a_change_of_arithmetic_is_kept_at_the_models_own_noise_floor(report):
 def test_a_wrong_pass_is_still_rejected_at_the_floor(report):
     wrong = {record.name: record for record in report.optimizations}["first_conv_half_off"]
     assert wrong.status == "rejected" and "moved past tolerance" in wrong.reason, wrong.reason
+
+
+class Pointer(torch.nn.Module):
+    """Four detections whose keypoints move with their weights' last bits (``gain``
+    times each weight: as a random-weight heatmap's argmax does) and whose boxes and
+    scores do not."""
+
+    def __init__(self, gain: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+        self.gain = gain
+
+    def forward(self, images):
+        wobble = 20 * torch.sin(self.weight * self.gain)
+        points = torch.stack([50 + wobble, 50 - wobble, torch.ones(4)], -1)[:, None]
+        boxes = torch.tensor([[0.0, 0.0, 100.0, 100.0]]) + 200 * torch.arange(4.0)[:, None]
+        scores, labels = torch.tensor([0.9, 0.8, 0.7, 0.6]), torch.ones(4, dtype=torch.int64)
+        return [{"boxes": boxes, "scores": scores, "labels": labels, "keypoints": points}]
+
+
+@pytest.mark.parametrize("gain, floor", [(1.0, False), (1e5, True)], ids=["steady", "chaotic"])
+def test_keypoints_are_judged_at_the_models_own_noise_floor(gain, floor):
+    """Masks and keypoints go through the floor as scores do: where rounding alone moves
+    the model's keypoints past their tolerance (5.3% of the box), a candidate may move
+    them as far (here about 19%), and no further."""
+    from bladesmith.engine.reference import Reference
+    from bladesmith.passes.registry import Context
+
+    model, args = Pointer(gain), (torch.zeros(1),)
+    config = bladesmith.Config()
+    context = Context(torch.device("cpu"), "o1", config, args, [args])
+    with torch.no_grad():
+        reference = Reference([model(*args)], model, context)
+
+        def moved(shift: float):
+            outputs = model(*args)
+            outputs[0]["keypoints"] = outputs[0]["keypoints"] + torch.tensor([shift, 0.0, 0.0])
+            return reference.compare([outputs], torch.float32, config)
+
+        assert moved(3.0).passed  # within 5.3% of the box: no floor needed
+        assert moved(8.0).passed == floor
+        far = moved(30.0)
+    assert not far.passed and "matched keypoints moved past tolerance" in far.summary()
+    notes = [note for note in context.notes if "judged at that floor" in note]
+    assert len(notes) == floor and all("keypoints as far" in note for note in notes)

@@ -47,6 +47,31 @@ def test_mask_rcnn_family_gives_masks_to_the_user():
         assert image["masks"].shape == (count, 1, 64, 96)
 
 
+def test_mask_rcnn_family_compares_the_masks():
+    """The gate judges the masks of matched detections (it used to drop them)."""
+    torch.manual_seed(0)
+    model = detection.maskrcnn_resnet50_fpn(
+        weights=None,
+        weights_backbone=None,
+        num_classes=2,
+        min_size=64,
+        max_size=96,
+        box_score_thresh=0.0,  # random weights: keep some detections
+        rpn_post_nms_top_n_test=20,
+        box_detections_per_img=5,
+    ).eval()
+    family = family_of(model)
+    images = torch.rand(1, 3, 64, 96)
+    with torch.no_grad():
+        reference = model(list(images))
+        detections = family.to_user(family.adapt(model, (64, 96))(images))
+    same = family.compare(reference, detections)
+    assert same.passed and "max mask dev 0% of its box's area" in same.summary(), same.summary()
+    inverted = [dict(image, masks=1 - image["masks"]) for image in detections]
+    wrong = family.compare(reference, inverted)
+    assert not wrong.passed and "matched masks moved past tolerance" in wrong.summary()
+
+
 def test_artifacts_load_with_torchvisions_operators():
     """R-CNN artifacts call torchvision::roi_align: loading makes it available."""
     import subprocess

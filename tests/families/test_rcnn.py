@@ -18,6 +18,7 @@ from bladesmith.families.rcnn import (
     FasterRCNNPipeline,
     MaskRCNNPipeline,
     build_rcnn,
+    calibrate_rcnn,
     paste_masks,
 )
 from bladesmith.models.images import sample_images
@@ -65,6 +66,57 @@ def test_a_resized_input_equals_the_torchvision_model(faster):
     reference, outputs = run_both(model, pipeline, sample_images(2, (120, 200)))
     assert_realistic(reference, 20)
     assert_padded_equal_reference(outputs, reference)
+
+
+def docstring_example():
+    """torchvision's FasterRCNN docstring example: a backbone returning one tensor
+    (MobileNetV2's features, no FPN), which torchvision names level "0"."""
+    import torchvision
+    from torchvision.models.detection import FasterRCNN
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    from torchvision.ops import MultiScaleRoIAlign
+
+    torch.manual_seed(0)
+    backbone = torchvision.models.mobilenet_v2(weights=None).features
+    backbone.out_channels = 1280
+    anchors = AnchorGenerator(sizes=((32, 64, 128, 256, 512),), aspect_ratios=((0.5, 1.0, 2.0),))
+    pool = MultiScaleRoIAlign(featmap_names=["0"], output_size=7, sampling_ratio=2)
+    model = FasterRCNN(
+        backbone,
+        rpn_anchor_generator=anchors,
+        box_roi_pool=pool,
+        min_size=min(SIZE),
+        max_size=max(SIZE),
+        **SMALL,
+    )
+    return model.eval()
+
+
+@pytest.mark.parametrize("fixed_shapes", [None, True], ids=["cpu-compacted", "gpu-fixed"])
+def test_a_backbone_returning_one_tensor_equals_the_torchvision_model(fixed_shapes):
+    model = docstring_example()
+    calibrate_rcnn(model, SIZE)  # random logits score every anchor and class alike
+    pipeline = FasterRCNNPipeline(model, SIZE)
+    pipeline.fixed_shapes = fixed_shapes
+    assert list(pipeline.grid_sizes) == ["0"]
+    reference, outputs = run_both(model, pipeline, sample_images(2, SIZE))
+    assert_realistic(reference, 20)
+    assert_padded_equal_reference(outputs, reference)
+
+
+def test_a_backbone_failing_on_fake_tensors_logs_no_traceback(capfd):
+    """Its error is the pass's, reported in one line; torch's fake tensors log it with a
+    traceback on stderr first, unless silenced."""
+
+    class Sparse(torch.nn.Module):
+        def forward(self, images):
+            return {"0": images.values()}  # no strided tensor has values()
+
+    model = docstring_example()
+    model.backbone = Sparse()
+    with pytest.raises(RuntimeError, match="sparse tensor layout"):
+        FasterRCNNPipeline(model, SIZE)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_proposals_equal_torchvisions_rpn(faster):

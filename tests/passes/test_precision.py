@@ -100,6 +100,40 @@ def test_bf16_is_tried_on_a_cpu_only_where_it_computes_in_bfloat16(monkeypatch):
     assert isinstance(precision.cpu_has_bf16(), bool)
 
 
+def test_bf16_is_skipped_where_torchvisions_nms_has_no_kernel_for_it(monkeypatch):
+    """A torchvision detector that fixed_shape did not convert (Keypoint R-CNN) would
+    run its own post-processing in bfloat16, and torchvision's nms has no bfloat16
+    kernel on a CPU: skipped up front with that reason (it used to fail with the
+    kernel's source path)."""
+    import torchvision
+    from torchvision.ops import nms
+
+    import bladesmith.passes.precision as precision
+
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)  # whatever this CPU is
+    boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0]], dtype=torch.bfloat16)
+    try:
+        nms(boxes, boxes[:, 2], 0.5)
+    except RuntimeError:
+        runs = False
+    else:
+        runs = True
+    assert precision._nms_has_kernel(torch.bfloat16, "cpu") == runs  # the probe is right
+    monkeypatch.setattr(precision, "_nms_has_kernel", lambda dtype, device: False)
+    model = torchvision.models.detection.keypointrcnn_resnet50_fpn(
+        weights=None, weights_backbone=None, num_keypoints=3
+    ).eval()
+    candidate = Candidate(module=model, device=torch.device("cpu"))
+    context = context_for(([torch.rand(3, 64, 64)],))
+    reason = BFloat16().skip_reason(candidate, context)
+    assert reason.startswith(
+        "torchvision's nms has no bfloat16 kernel on the cpu, and the "
+        "model's RegionProposalNetwork would call it"
+    ), reason
+    plain = Candidate(module=nn.Linear(4, 2), device=torch.device("cpu"))
+    assert BFloat16().skip_reason(plain, context) is None
+
+
 def computes_in_bfloat16(layer) -> bool:
     """Whether ``layer`` computes in bfloat16 (back to float32 after): wrapped, or a
     Linear layer converted where it is."""

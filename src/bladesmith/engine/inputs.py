@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import os
 
 import torch
@@ -14,6 +13,7 @@ from torch import nn
 
 from bladesmith._files import contents, first_line, unreadable
 from bladesmith.devices import device_kind
+from bladesmith.errors import quiet_log
 from bladesmith.runtimes.torchscript import in_eval_mode, quiet_torchscript
 from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX
 
@@ -83,7 +83,7 @@ def load_model_file(path) -> nn.Module:
         ops.load_library()
     if path.endswith(AOTI_SUFFIX):
         try:
-            with _quiet_export_loader():
+            with quiet_log("torch.export"):
                 return torch.export.load(path).module()
         except Exception as error:
             what = contents(path)
@@ -112,19 +112,6 @@ def load_model_file(path) -> nn.Module:
             "path), or a .pt2 with torch.export.save(torch.export.export(model, example), "
             "path), or pass the nn.Module from Python"
         ) from error
-
-
-@contextlib.contextmanager
-def _quiet_export_loader():
-    """torch.export.load logs each failed attempt with its traceback before raising; the
-    error raised is what bladesmith reports, in one line."""
-    logger = logging.getLogger("torch.export")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def device_argument(device, device_type: str | None):

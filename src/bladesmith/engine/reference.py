@@ -28,6 +28,7 @@ from bladesmith.verify import (
     rounding_unit,
     tensor_paths,
 )
+from bladesmith.verify.fields import MEASURES, FieldDeviation
 from bladesmith.verify.tolerance import (
     HALF_NOISE_MARGIN,
     NOISE_MARGIN,
@@ -78,7 +79,7 @@ class Reference:
         self.dtype = model_dtype(model)  # what the model as given computes in
         self.flips = family is not None or contains_detections(outputs)
         self._noisy: list | None = None
-        self._floor: tuple[float, int, float] | None | bool = False  # False: not yet measured
+        self._floor: tuple | None | bool = False  # False: not yet measured
         self._measured: dict[torch.dtype, NoiseTolerances | None] = {}
         self.measured = None if context.config.atol is not None else self._measure(self.dtype)
 
@@ -175,7 +176,9 @@ class Reference:
 
         by = self.family.compare if self.family is not None else compare_outputs
 
-        def compare(candidate, noisy, min_f1=config.min_f1, scores=score_atol) -> Comparison:
+        def compare(
+            candidate, noisy, min_f1=config.min_f1, scores=score_atol, fields=None
+        ) -> Comparison:
             return by(
                 self.outputs,
                 candidate,
@@ -186,6 +189,7 @@ class Reference:
                 iou_threshold=config.iou_threshold,
                 min_f1=min_f1,
                 score_atol=scores,
+                field_tolerances=fields,
                 inputs=self.context.test_args,
                 allow_degenerate=config.allow_degenerate,
             )
@@ -199,42 +203,61 @@ class Reference:
         floor = self.noise_floor(compare, config, score_atol)
         if floor is None:
             return comparison
-        return compare(outputs, self.noisy(), min_f1=floor[0], scores=floor[1])
+        return compare(outputs, self.noisy(), *floor)
 
     def noise_floor(self, compare, config: Config, score_atol: float):
-        """(F1, score deviation) at which a candidate is judged when rounding alone
-        moves the model's detections past the gate: each noisy run against the model,
-        the others' flips excused, reaches at worst F1 ``f1`` with matched scores moved
-        up to ``scores``. A candidate may then go that far (no further from the model
-        than rounding alone moves it): in F1 only when the runs differ from the model
-        in ``CHAOTIC_MISMATCHES`` detections or more (a borderline detection or two that
-        rounding flips is the excuses' business, and a floor set by one flip would
-        excuse any other), in scores whenever they moved past ``score_atol``. None when
-        the model is steadier than the gate."""
+        """(F1, score deviation, tolerances of the other fields by measure) at which a
+        candidate is judged when rounding alone moves the model's detections past the
+        gate: each noisy run against the model, the others' flips excused, reaches at
+        worst F1 ``f1`` with matched scores moved up to ``scores`` and each other field
+        (masks, keypoints: ``verify.fields``) as far as it moved. A candidate may then
+        go that far (no further from the model than rounding alone moves it): in F1
+        only when the runs differ from the model in ``CHAOTIC_MISMATCHES`` detections or
+        more (a borderline detection or two that rounding flips is the excuses'
+        business, and a floor set by one flip would excuse any other), in scores and
+        the other fields whenever they moved past their tolerance. None when the model
+        is steadier than the gate."""
         if self._floor is False:
             self._floor = self._own_spread(compare)
         if self._floor is None:
             return None
-        f1, mismatches, scores = self._floor
+        f1, mismatches, scores, spread = self._floor
         chaotic = f1 < config.min_f1 and mismatches >= CHAOTIC_MISMATCHES
-        if not chaotic and scores <= score_atol:
+        # Each field at its own spread where that is past its tolerance (the default at
+        # this dtype's score tolerance, not at a score floor).
+        fields = {
+            name: FieldDeviation(
+                name, MEASURES[name].default(config.iou_threshold, score_atol), worst
+            )
+            for name, worst in spread.items()
+        }
+        moved = [field for field in fields.values() if not field.passed]
+        if not chaotic and scores <= score_atol and not moved:
             return None
-        floor = (min(f1, config.min_f1) if chaotic else config.min_f1, max(scores, score_atol))
+        floor = (
+            min(f1, config.min_f1) if chaotic else config.min_f1,
+            max(scores, score_atol),
+            {name: max(field.tolerance, field.deviation) for name, field in fields.items()},
+        )
         note = (
             f"detections: rounding alone moves this model's detections past the gate (F1 "
             f"{f1:.4g} against its own, {mismatches} detections unmatched, matched scores "
-            f"moved up to {scores:.2g}): passes are judged at that floor, F1 >= "
-            f"{floor[0]:.4g} and scores within {floor[1]:.2g}, so a change of arithmetic "
-            "is told from a wrong pass only as far as the model's own noise allows"
+            f"moved up to {scores:.2g}"
+            + "".join(f", {field.summary()}" for field in moved)
+            + f"): passes are judged at that floor, F1 >= {floor[0]:.4g} and scores within "
+            f"{floor[1]:.2g}"
+            + (f", {', '.join(field.name for field in moved)} as far" if moved else "")
+            + ", so a change of arithmetic is told from a wrong pass only as far as the "
+            "model's own noise allows"
         )
         if note not in self.context.notes:
             self.context.notes.append(note)
         return floor
 
-    def _own_spread(self, compare) -> tuple[float, int, float] | None:
-        """(lowest F1, most unmatched detections, largest matched score deviation) of
-        the noisy runs against the model, each with the others' flips excused; None
-        with fewer than two runs."""
+    def _own_spread(self, compare) -> tuple[float, int, float, dict[str, float]] | None:
+        """(lowest F1, most unmatched detections, largest matched score deviation, each
+        other field's largest deviation by measure) of the noisy runs against the model,
+        each with the others' flips excused; None with fewer than two runs."""
         runs = self.noisy()
         found = []
         for index, run in enumerate(runs):
@@ -243,8 +266,13 @@ class Reference:
             found += [o for o in outputs if isinstance(o, DetectionComparison)]
         if len(runs) < 2 or not found:
             return None
+        spread: dict[str, float] = {}
+        for d in found:
+            for name, field in d.fields.items():
+                spread[name] = max(spread.get(name, 0.0), field.deviation or 0.0)
         return (
             min(d.f1 for d in found),
             max(d.reference_count + d.candidate_count - 2 * d.matched for d in found),
             max(d.max_score_deviation or 0.0 for d in found),
+            spread,
         )

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bladesmith.errors import quiet_log
 from bladesmith.ops import load_library
 
 
@@ -106,10 +107,18 @@ class StaticTransform(KeepsFloat32):
         return boxes if self.resized_size == self.image_size else boxes * self.box_scale
 
 
+def backbone_features(backbone: nn.Module, images: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The feature maps of ``backbone`` by level name. A backbone may return one tensor
+    (torchvision's FasterRCNN example: MobileNetV2's features, no FPN): it is level "0",
+    as torchvision's detectors name it."""
+    features = backbone(images)
+    return {"0": features} if isinstance(features, torch.Tensor) else features
+
+
 @torch.no_grad()
 def static_anchors(model, padded_size, resized_size):
-    """Anchors [N, 4], the feature-map size (height, width) of each level and the
-    anchors per level, for one padded input size (``model`` has ``backbone``,
+    """Anchors [N, 4], the feature-map size (height, width) of each level by name and
+    the anchors per level, for one padded input size (``model`` has ``backbone``,
     ``anchor_generator`` and ``parameters``).
 
     The feature-map sizes come from running the backbone on fake tensors (no compute,
@@ -119,14 +128,16 @@ def static_anchors(model, padded_size, resized_size):
     from torchvision.models.detection.image_list import ImageList
 
     parameter = next(model.parameters())
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    # An operator failing on fake tensors is logged with its traceback, then raised.
+    with quiet_log("torch._subclasses.fake_tensor"), FakeTensorMode(allow_non_fake_inputs=True):
         fake = torch.empty(1, 3, *padded_size, device=parameter.device, dtype=parameter.dtype)
-        grid_sizes = [tuple(f.shape[-2:]) for f in model.backbone(fake).values()]
+        features = backbone_features(model.backbone, fake)
+        grid_sizes = {name: tuple(f.shape[-2:]) for name, f in features.items()}
     images = ImageList(torch.empty(1, 3, *padded_size), [tuple(resized_size)])
-    feature_maps = [torch.empty(1, 1, h, w) for h, w in grid_sizes]
+    feature_maps = [torch.empty(1, 1, h, w) for h, w in grid_sizes.values()]
     anchors = model.anchor_generator(images, feature_maps)[0]
     per_location = model.anchor_generator.num_anchors_per_location()
-    level_sizes = [h * w * a for (h, w), a in zip(grid_sizes, per_location)]
+    level_sizes = [h * w * a for (h, w), a in zip(grid_sizes.values(), per_location)]
     return anchors.to(parameter.device), grid_sizes, level_sizes
 
 
@@ -150,11 +161,16 @@ class OneStagePipeline(KeepsFloat32):
         self.topk_candidates = int(model.topk_candidates)
         self.iou_threshold = float(model.nms_thresh)
         self.max_detections = int(model.detections_per_img)
-        anchors, self.grid_sizes, self.level_sizes = static_anchors(
+        anchors, grid_sizes, self.level_sizes = static_anchors(
             model, self.transform.padded_size, self.transform.resized_size
         )
+        self.grid_sizes = list(grid_sizes.values())
         self.register_buffer("anchors", anchors, persistent=False)
         self.eval()  # an exporter restores the mode it found, on every submodule
+
+    def features(self, images: torch.Tensor) -> list[torch.Tensor]:
+        """The backbone's feature maps of ``images`` [B, 3, H, W], level by level."""
+        return list(backbone_features(self.backbone, self.transform(images)).values())
 
 
 def top_per_level(

@@ -34,8 +34,7 @@ class FCOSPipeline(steps.OneStagePipeline):
 
     def head_outputs(self, images: torch.Tensor):
         """Class logits [B, N, C], box regression [B, N, 4], centerness [B, N, 1]."""
-        features = list(self.backbone(self.transform(images)).values())
-        out = self.head(features)
+        out = self.head(self.features(images))
         return out["cls_logits"], out["bbox_regression"], out["bbox_ctrness"]
 
     def forward(self, images: torch.Tensor):

@@ -80,7 +80,7 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
             anchor_generator=rpn.anchor_generator,
             parameters=model.parameters,
         )
-        anchors, grid_sizes, self.level_sizes = steps.static_anchors(
+        anchors, self.grid_sizes, self.level_sizes = steps.static_anchors(
             parts, self.transform.padded_size, self.transform.resized_size
         )
         self.register_buffer("anchors", anchors, persistent=False)
@@ -90,14 +90,11 @@ class FasterRCNNPipeline(steps.KeepsFloat32):
             for i, n in enumerate(self.level_sizes)
         ]
         self.register_buffer("candidate_levels", torch.cat(levels), persistent=False)
-        self.grid_sizes = dict(
-            zip(_feature_names(model.backbone, self.transform.padded_size), grid_sizes)
-        )
         self.pool_levels = {"box_roi_pool": self._levels(self.box_roi_pool)}
         self.eval()  # an exporter restores the mode it found, on every submodule
 
     def features(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.backbone(self.transform(images))
+        return steps.backbone_features(self.backbone, self.transform(images))
 
     def proposals(self, features: dict[str, torch.Tensor]):
         """The region proposal network with fixed shapes: proposals [B, P, 4] (resized
@@ -329,16 +326,6 @@ def _resize_weights(start, end, size: int, source: int) -> torch.Tensor:
     return weights * inside[..., None]
 
 
-@torch.no_grad()
-def _feature_names(backbone: nn.Module, padded_size) -> list[str]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    parameter = next(backbone.parameters())
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = torch.empty(1, 3, *padded_size, device=parameter.device, dtype=parameter.dtype)
-        return list(backbone(fake).keys())
-
-
 VARIANTS = (
     "fasterrcnn_resnet50_fpn",
     "fasterrcnn_resnet50_fpn_v2",
@@ -437,7 +424,7 @@ class FasterRCNNFamily(DetectionFamily):
 
 class MaskRCNNFamily(DetectionFamily):
     """torchvision's Mask R-CNN: ``MaskRCNNPipeline``; the user's dicts have masks
-    [N, 1, H, W] too. Comparisons match the detections (boxes, scores, labels)."""
+    [N, 1, H, W] too, which comparisons judge on the matched detections."""
 
     name = "mask_rcnn"
     output_names = MASK_OUTPUTS
@@ -456,17 +443,8 @@ class MaskRCNNFamily(DetectionFamily):
             image["masks"] = outputs[4][i, : len(image["scores"])].float()
         return detections
 
-    def compare(self, reference, candidate, **tolerances):
-        return super().compare(_without_masks(reference), _without_masks(candidate), **tolerances)
-
     def load_note(self, pipeline: nn.Module, batch: torch.Tensor) -> str:
         return steps.detections_note("Mask R-CNN", pipeline, batch, "build_rcnn")
-
-
-def _without_masks(outputs):
-    if isinstance(outputs, list) and all(isinstance(d, dict) for d in outputs):
-        return [{k: v for k, v in d.items() if k != "masks"} for d in outputs]
-    return outputs
 
 
 FASTER_RCNN = FasterRCNNFamily()

@@ -64,7 +64,7 @@ class RetinaNetPipeline(steps.OneStagePipeline):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Classification logits [B, N, C] and box deltas [B, N, 4] for all levels, in
         ``dtype`` (default: the network's)."""
-        features = list(self.backbone(self.transform(images)).values())
+        features = self.features(images)
         if isinstance(self.head, PackedRetinaNetHead):
             return tuple(_as_dtype(x, dtype) for x in self.head(features))
         per_level = level_outputs(self.head, features)

@@ -37,9 +37,7 @@ class SSDPipeline(steps.OneStagePipeline):
 
     def head_outputs(self, images: torch.Tensor):
         """Class logits [B, N, C] (class 0 the background) and box deltas [B, N, 4]."""
-        features = self.backbone(self.transform(images))
-        features = [features] if isinstance(features, torch.Tensor) else list(features.values())
-        out = self.head(features)
+        out = self.head(self.features(images))
         return out["cls_logits"], out["bbox_regression"]
 
     def forward(self, images: torch.Tensor):
@@ -108,8 +106,7 @@ def calibrate_ssd(model: nn.Module) -> None:
     pipeline = SSDPipeline(model, size)
     photos = calibration.photos(size)
     calibration.fit_batch_norms(model, lambda: pipeline.head_outputs(photos))
-    features = pipeline.backbone(pipeline.transform(photos))
-    features = [features] if isinstance(features, torch.Tensor) else list(features.values())
+    features = pipeline.features(photos)
     for level, feature in zip(model.head.classification_head.module_list, features):
         layer = level[-1] if isinstance(level, nn.Sequential) else level  # SSDlite's
         layer.bias.zero_()

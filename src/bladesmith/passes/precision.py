@@ -15,6 +15,7 @@ autocast, so its ``.pt`` save runs in float32 (as accurate, not as fast).
 from __future__ import annotations
 
 import copy
+import functools
 from typing import ClassVar
 
 import torch
@@ -89,7 +90,7 @@ class Float16(Pass):
             return f"the model computes in {dtype_name(candidate.dtype)}, not float32"
         if not any(p.is_floating_point() for p in candidate.module.parameters()):
             return "the model has no floating-point parameters"
-        return None
+        return _nms_problem(candidate.module, self.dtype, context.device)
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
         module = copy.deepcopy(candidate.module).to(self.dtype)
@@ -271,6 +272,41 @@ def cpu_has_bf16() -> bool:
     two cores of a Xeon with AVX512-BF16); elsewhere bfloat16 is emulated, and slower."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+
+
+def _nms_problem(module: nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why ``module`` cast to ``dtype`` would fail on ``device``: a torchvision detector's
+    own post-processing (it is not a fixed-shape pipeline) calls torchvision's nms on
+    boxes of the network's dtype, and nms may have no kernel for it (bfloat16 on a CPU)."""
+    from torchvision.models.detection import FCOS, RetinaNet
+    from torchvision.models.detection.roi_heads import RoIHeads
+    from torchvision.models.detection.rpn import RegionProposalNetwork
+    from torchvision.models.detection.ssd import SSD
+
+    kinds = (RegionProposalNetwork, RoIHeads, RetinaNet, FCOS, SSD)
+    caller = next((m for m in module.modules() if isinstance(m, kinds)), None)
+    if caller is None or _nms_has_kernel(dtype, str(device)):
+        return None
+    return (
+        f"torchvision's nms has no {dtype_name(dtype)} kernel on the {device.type}, and the "
+        f"model's {type(caller).__name__} would call it on {dtype_name(dtype)} boxes (a "
+        "fixed-shape pipeline, and the passes that convert some layers alone, keep "
+        "post-processing in float32)"
+    )
+
+
+@functools.cache
+def _nms_has_kernel(dtype: torch.dtype, device: str) -> bool:
+    """Whether torchvision's nms runs on ``dtype`` boxes on ``device`` (torchvision 0.2x
+    has no bfloat16 kernel on a CPU)."""
+    from torchvision.ops import nms
+
+    boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0]], dtype=dtype, device=device)
+    try:
+        nms(boxes, boxes[:, 2], 0.5)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _fails(module: nn.Module, args: tuple) -> bool:

@@ -2,7 +2,8 @@
 any structure of them by path.
 
 ``tolerance`` holds the policy (defaults by dtype, per-output overrides), ``tensors``
-and ``detections`` the comparators, ``degenerate`` what makes a comparison compare
+and ``detections`` the comparators (``fields``: a detection's masks, keypoints and
+other fields), ``degenerate`` what makes a comparison compare
 nothing (``ties``: what rounding alone may change in a
 detector's output), ``outputs`` the walk over a model's output structure.
 """

@@ -1,8 +1,9 @@
 """Detections compared without regard to order, matched by class and IoU.
 
 Detections are a list, one per image, of dicts with "boxes" [n, 4], "scores" [n] and
-"labels" [n]. Two equally correct detectors may emit the same boxes in another order,
-and NMS ties may resolve differently: what rounding alone explains is excused
+"labels" [n], and any fields of their own (masks, keypoints: ``verify.fields``, compared
+on the matched pairs). Two equally correct detectors may emit the same boxes in another
+order, and NMS ties may resolve differently: what rounding alone explains is excused
 (``verify.ties``), and counted.
 """
 
@@ -16,6 +17,14 @@ import numpy as np
 import torch
 
 from bladesmith.verify._format import finite_or_none, ratio, sci
+from bladesmith.verify.fields import (
+    MATCHED_KEYS,
+    MEASURES,
+    FieldDeviation,
+    measure_pairs,
+    measures_of,
+    unmeasured,
+)
 from bladesmith.verify.matching import box_iou, greedy_pairs
 from bladesmith.verify.ties import excuse
 from bladesmith.verify.tolerance import default_tolerance, detection_score_tolerance
@@ -41,7 +50,10 @@ class DetectionComparison:
     mean_iou: float | None = None
     excused: int = 0  # unmatched on a near tie or a rounding flip (or their consequences)
     strict_f1: float = 1.0  # F1 with nothing excused
-    tolerance_ratio: float = 0.0  # worst of the F1 shortfall and score deviation, as above
+    # The other fields (masks, keypoints, ...) over the matched pairs, by measure
+    fields: dict[str, FieldDeviation] = field(default_factory=dict)
+    unverified: list[str] = field(default_factory=list)  # fields nothing compares
+    tolerance_ratio: float = 0.0  # worst of the F1 shortfall and each deviation, as above
     reasons: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -56,7 +68,10 @@ class DetectionComparison:
             )
             + f"max box dev {sci(self.max_box_deviation)} px, "
             f"max score dev {sci(self.max_score_deviation)} (atol {sci(self.score_atol)})"
+            + "".join(f", {each.summary()}" for each in self.fields.values())
         )
+        if self.unverified:
+            text += f"; not verified: {', '.join(map(repr, self.unverified))} (no measure)"
         return "; ".join([*self.reasons, text])
 
     def to_dict(self) -> dict:
@@ -79,12 +94,11 @@ class DetectionComparison:
             "max_box_deviation": self.max_box_deviation,
             "max_score_deviation": self.max_score_deviation,
             "mean_iou": self.mean_iou,
+            "fields": {name: each.to_dict() for name, each in self.fields.items()},
+            "unverified": list(self.unverified),
             "tolerance_ratio": finite_or_none(self.tolerance_ratio),
             "reasons": list(self.reasons),
         }
-
-
-_DETECTION_KEYS = ("boxes", "scores", "labels")
 
 
 def is_detection_list(value) -> bool:
@@ -92,7 +106,7 @@ def is_detection_list(value) -> bool:
     return (
         isinstance(value, (list, tuple))
         and len(value) > 0
-        and all(isinstance(item, Mapping) and set(_DETECTION_KEYS) <= set(item) for item in value)
+        and all(isinstance(item, Mapping) and set(MATCHED_KEYS) <= set(item) for item in value)
     )
 
 
@@ -108,7 +122,14 @@ def contains_detections(value) -> bool:
 
 
 def compare_detections(
-    reference, candidate, iou_threshold=0.9, min_f1=0.99, score_atol=None, tie_iou=0.5, noisy=()
+    reference,
+    candidate,
+    iou_threshold=0.9,
+    min_f1=0.99,
+    score_atol=None,
+    tie_iou=0.5,
+    noisy=(),
+    field_tolerances=None,
 ) -> DetectionComparison:
     """Match candidate detections to reference ones, order-free, and score the match.
 
@@ -142,6 +163,13 @@ def compare_detections(
     top-k or threshold cut inside the model, say): unmatched, it is excused too, with
     what it suppresses.
     ``strict_f1`` excuses nothing.
+
+    Every other field of a detection is compared on the matched pairs by its measure in
+    ``verify.fields.MEASURES`` (masks by the pixels they flip at 0.5 and keypoints by
+    how far they move, relative to their box; keypoint scores like scores), at ``field_tolerances``
+    (by measure name) or the measure's default; one with no measure is listed in
+    ``unverified`` and named in the summary. The candidate must have the reference's
+    keys.
     """
     _check_detections("reference", reference)
     if score_atol is None:
@@ -165,6 +193,14 @@ def compare_detections(
     noisy_images = list(zip(*noisy, strict=True)) if noisy else [()] * len(reference)
     images = zip(reference, candidate, noisy_images, strict=False)  # lengths checked above
     for ref, cand, noisy_runs in images:
+        if set(cand) != set(ref):
+            _once(
+                result.reasons,
+                f"candidate keys {sorted(map(str, cand))} differ from the reference's "
+                f"{sorted(map(str, ref))}",
+            )
+        for key in unmeasured(ref):
+            _once(result.unverified, key)
         ref_boxes, ref_scores, ref_labels = _as_arrays(ref)
         cand_boxes, cand_scores, cand_labels = _as_arrays(cand)
         result.images += 1
@@ -180,12 +216,23 @@ def compare_detections(
         image_start = len(score_devs)
         ref_matched = np.zeros(len(ref_scores), dtype=bool)
         cand_matched = np.zeros(len(cand_scores), dtype=bool)
-        for i, j in greedy_pairs(iou, eligible, np.argsort(-ref_scores, kind="stable")):
+        pairs = list(greedy_pairs(iou, eligible, np.argsort(-ref_scores, kind="stable")))
+        for i, j in pairs:
             ref_matched[i] = cand_matched[j] = True
             result.matched += 1
             ious.append(iou[i, j])
             box_devs.append(np.abs(ref_boxes[i] - cand_boxes[j]).max())
             score_devs.append(abs(ref_scores[i] - cand_scores[j]))
+        for name in measures_of(ref):
+            if name not in result.fields:
+                tolerance = (field_tolerances or {}).get(name)
+                if tolerance is None:
+                    tolerance = MEASURES[name].default(iou_threshold, score_atol)
+                result.fields[name] = FieldDeviation(name, tolerance)
+            if MEASURES[name].key in cand:
+                problem = measure_pairs(result.fields[name], ref, cand, pairs, band=score_atol)
+                if problem:
+                    _once(result.reasons, f"candidate {problem}")
         cand_matched |= ~usable  # never excused
         # A near tie is a gap no wider than twice the largest score change among this
         # image's matched pairs: what the candidate's rounding actually moved, capped by
@@ -231,7 +278,8 @@ def compare_detections(
         if score_atol > 0
         else (math.inf if result.max_score_deviation else 0.0)
     )
-    result.tolerance_ratio = max(f1_ratio, score_ratio)
+    field_ratios = [each.tolerance_ratio for each in result.fields.values()]
+    result.tolerance_ratio = max(f1_ratio, score_ratio, *field_ratios)
     if result.f1 < min_f1:
         result.reasons.append(f"F1 {result.f1:.4g} is below {min_f1:g}")
     if result.max_score_deviation is not None and result.max_score_deviation > score_atol:
@@ -239,8 +287,19 @@ def compare_detections(
             f"a matched score moved by {sci(result.max_score_deviation)}, "
             f"more than {sci(score_atol)}"
         )
+    result.reasons += [
+        f"matched {each.name} moved past tolerance"
+        for each in result.fields.values()
+        if not each.passed
+    ]
     result.passed = not result.reasons
     return result
+
+
+def _once(reasons: list[str], reason: str) -> None:
+    """``reason`` added unless there already: said once, not once per image."""
+    if reason not in reasons:
+        reasons.append(reason)
 
 
 def _f1(precision: float, recall: float) -> float:
@@ -255,7 +314,7 @@ def _check_detections(argument: str, detections) -> None:
         )
     for index, item in enumerate(detections):
         where = f"{argument}[{index}]"
-        if not isinstance(item, Mapping) or not set(_DETECTION_KEYS) <= set(item):
+        if not isinstance(item, Mapping) or not set(MATCHED_KEYS) <= set(item):
             raise ValueError(f"{where}: expected a dict with keys boxes, scores and labels")
         n = len(item["scores"])
         if tuple(item["boxes"].shape) != (n, 4) or len(item["labels"]) != n:

@@ -65,10 +65,17 @@ class Comparison:
         if len(self.outputs) == 1:
             return next(iter(self.outputs.values())).summary()
         path, closest = max(self.outputs.items(), key=lambda item: item[1].tolerance_ratio)
+        # The closest's summary names its own; the others' are named here.
+        unverified = [
+            f"{other}[{key!r}]"
+            for other, output in self.outputs.items()
+            if other != path and isinstance(output, DetectionComparison)
+            for key in output.unverified
+        ]
         return (
             f"all {len(self.outputs)} outputs within tolerance; closest to its limit "
             f"{path}: {closest.summary()}"
-        )
+        ) + (f"; not verified: {', '.join(unverified)} (no measure)" if unverified else "")
 
     def to_dict(self) -> dict:
         return {
@@ -92,6 +99,7 @@ def compare_outputs(
     iou_threshold: float = 0.9,
     min_f1: float = 0.99,
     score_atol: float | None = None,
+    field_tolerances: Mapping[str, float] | None = None,
     noisy: Sequence = (),
     name: str = "out",
     inputs=None,
@@ -106,7 +114,8 @@ def compare_outputs(
     ("out[1]", "out['logits']") or its last index or key (1, "logits"); the full path
     wins. A key that names no output is an error, so a typo cannot go unnoticed.
     ``noisy``: the reference model's outputs under rounding noise, structured like
-    ``reference`` (``engine.reference.reference_under_noise``), for ``compare_detections``.
+    ``reference`` (``engine.reference.reference_under_noise``), and ``field_tolerances``
+    (masks, keypoints, ... by measure name), for ``compare_detections``.
     ``inputs``: what the outputs were computed from, checked for NaN and inf. A
     comparison on nothing (``Comparison.degenerate``) fails unless ``allow_degenerate``.
     """
@@ -122,6 +131,7 @@ def compare_outputs(
                 iou_threshold=iou_threshold,
                 min_f1=min_f1,
                 score_atol=score_atol,
+                field_tolerances=field_tolerances,
                 noisy=noisy,
             )
         elif isinstance(ref, Mapping):
