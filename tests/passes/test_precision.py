@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -149,6 +151,17 @@ def computes_in_bfloat16(layer) -> bool:
     )
 
 
+class SlowInFloat32(nn.Linear):
+    """A Linear layer 20 ms slower in float32: bfloat16 always wins the gate's timing and
+    the result's, whatever this CPU's matrix products and load (not traced: a save runs
+    as fast either way)."""
+
+    def forward(self, x):
+        if self.weight.dtype == torch.float32:
+            time.sleep(0.02)
+        return super().forward(x)
+
+
 def test_linear_bf16_runs_the_linear_layers_alone_in_bfloat16_and_saves(tmp_path, monkeypatch):
     import bladesmith
     import bladesmith.passes.precision as precision
@@ -159,7 +172,7 @@ def test_linear_bf16_runs_the_linear_layers_alone_in_bfloat16_and_saves(tmp_path
     monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)  # whatever this CPU is
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 64), nn.ReLU())
-    model.append(nn.Linear(64, 5))
+    model.append(SlowInFloat32(64, 5))
     x = torch.rand(2, 3, 8, 8)
     context = context_for((x,))
     candidate = Candidate(module=model, device=torch.device("cpu"))
