@@ -7,7 +7,6 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
-from torch.utils import _pytree as pytree
 
 from bladesmith import bench
 from bladesmith.artifact import try_formats
@@ -18,6 +17,7 @@ from bladesmith.ops import libraries
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.precision import BFLOAT16_PASSES, NO_ONNX_BF16
 from bladesmith.passes.registry import Context
+from bladesmith.runtimes.inputs import tensors_in
 from bladesmith.runtimes.torchscript import is_torchscript
 from bladesmith.spec import (
     AOTI_SUFFIX,
@@ -35,7 +35,7 @@ def spec_of(best: Candidate, context: Context, saves_as: str | None) -> Spec:
         output = OUTPUT_PADDED if context.config.output == "padded" else best.family.user_output
     else:
         output = OUTPUT_AS_MODEL
-    inputs = _tensor_leaves(best.runner_args(context.example_args))
+    inputs = tensors_in(best.runner_args(context.example_args))
     formats, left_out = _save_formats(best, context, saves_as)
     return Spec(
         device=str(context.device),
@@ -52,15 +52,11 @@ def spec_of(best: Candidate, context: Context, saves_as: str | None) -> Spec:
     )
 
 
-def _tensor_leaves(args: tuple) -> list[torch.Tensor]:
-    return [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-
-
 def _integer_ranges(best: Candidate, context: Context) -> tuple:
     """Per input of the runner, an integer input's lowest and highest value over the test
     data (token ids, lengths: a server's test rows stay where the model was verified);
     None for the others."""
-    columns = zip(*(_tensor_leaves(best.runner_args(args)) for args in context.test_args))
+    columns = zip(*(tensors_in(best.runner_args(args)) for args in context.test_args))
     return tuple(_range(column) for column in columns)
 
 
