@@ -268,9 +268,8 @@ def reload_problem(optimized: OptimizedModule, path: Path) -> str | None:
     spec = optimized.spec
     rtol, atol = spec.tolerance.get("rtol"), spec.tolerance.get("atol")
     # Detection scores as the gate judged them: what the dtype computed in may move them.
-    score_atol = detection_score_tolerance(getattr(torch, spec.dtype))
-    if rtol is not None and atol is not None:
-        score_atol = max(score_atol, rtol + atol)
+    judged_at = rtol + atol if rtol is not None and atol is not None else 0.0
+    score_atol = detection_score_tolerance(getattr(torch, spec.dtype), judged_at)
     comparison = compare_outputs(
         optimized(*optimized.example_args), got, rtol=rtol, atol=atol, score_atol=score_atol
     )

@@ -172,7 +172,7 @@ class Reference:
         tolerance = self.tolerance(dtype, config)
         rtol, atol = tolerance["rtol"], tolerance["atol"]
         measured = self._measured_for(dtype)
-        score_atol = max(rtol + atol, detection_score_tolerance(dtype))
+        score_atol = detection_score_tolerance(dtype, rtol + atol)
 
         by = self.family.compare if self.family is not None else compare_outputs
 

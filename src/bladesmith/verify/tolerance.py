@@ -80,11 +80,12 @@ class Tolerance:
 _DETECTION_SCORE_ATOL_FLOOR = 5e-3
 
 
-def detection_score_tolerance(dtype: torch.dtype) -> float:
+def detection_score_tolerance(dtype: torch.dtype, judged_at: float = 0.0) -> float:
     """How far a matched detection's score may move: rtol + atol of ``dtype`` (scores
-    lie in [0, 1]), and never less than 5e-3."""
+    lie in [0, 1]), never less than 5e-3, nor than ``judged_at`` (the rtol + atol the
+    other outputs are judged at)."""
     rtol, atol = default_tolerance(dtype)
-    return max(rtol + atol, _DETECTION_SCORE_ATOL_FLOOR)
+    return max(rtol + atol, _DETECTION_SCORE_ATOL_FLOOR, judged_at)
 
 
 FLOAT32_NOISE = 2.0**-23  # float32's eps: a weight's last bit
