@@ -299,14 +299,8 @@ def _time_side_by_side(loaded: list, warmup: int | None, iters: int | None) -> l
     if len(loaded) == 1:
         first_row["timing"] = bench.measure(first_call, device=device, **counts).to_dict()
     for row, _, call in loaded[1:]:
-        own = {**counts, "batch_size": row["input_shape"][0]}
-        if row["input_shape"] != first_row["input_shape"]:  # other work: no ratio means anything
-            first_row.setdefault(
-                "timing", bench.measure(first_call, device=device, **counts).to_dict()
-            )
-            row["timing"] = bench.measure(call, device=row["device"], **own).to_dict()
-            row["speedup"] = None
-        elif row["device"] == device:
+        same_shape = row["input_shape"] == first_row["input_shape"]
+        if same_shape and row["device"] == device:
             speedup = bench.compare(first_call, call, device=device, **counts)
             first_row.setdefault("timing", speedup.baseline.to_dict())
             row["speedup"] = speedup.describe()
@@ -315,13 +309,16 @@ def _time_side_by_side(loaded: list, warmup: int | None, iters: int | None) -> l
             # The first as it ran in these rounds: its p50 in the table is from the first
             # comparison, and the machine may have changed since.
             row["first_p50_ms"] = speedup.baseline.p50_ms
-        else:
-            first_row.setdefault(
-                "timing", bench.measure(first_call, device=device, **counts).to_dict()
-            )
-            row["timing"] = bench.measure(call, device=row["device"], **own).to_dict()
+            continue
+        if "timing" not in first_row:  # timed once, for every row timed apart
+            first_row["timing"] = bench.measure(first_call, device=device, **counts).to_dict()
+        own = {**counts, "batch_size": row["input_shape"][0]}
+        row["timing"] = bench.measure(call, device=row["device"], **own).to_dict()
+        if same_shape:  # another device
             ratio = first_row["timing"]["p50_ms"] / row["timing"]["p50_ms"]
             row["speedup"] = f"{ratio:.2f}x (timed apart)"
+        else:  # other work: no ratio means anything
+            row["speedup"] = None
     first_row["speedup"] = "1.00x"
     return rows
 
