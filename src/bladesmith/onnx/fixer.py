@@ -523,7 +523,7 @@ def _separate_chains(model: onnx.ModelProto) -> None:
             for slot, name in enumerate(node.input):
                 if name == cast.output[0]:
                     node.input[slot] = copy.output[0]
-            view = GraphView(model)
+        view = GraphView(model)  # the copies' readers, for the casts still to come
     while (hoist := _movable_cast(GraphView(model), graph_outputs)) is not None:
         mover, cast = hoist
         _move_cast_above(graph, mover, cast, taken)
