@@ -37,9 +37,9 @@ import onnx
 from bladesmith._files import write_atomically
 from bladesmith.errors import BladesmithError
 from bladesmith.onnx.checker import Finding, check, has_errors, load_model
+from bladesmith.onnx.rules import validity
 from bladesmith.onnx.rules.graph import FLOAT_TYPES, GraphView, attribute
 from bladesmith.onnx.rules.opset import opset_range
-from bladesmith.onnx.rules.validity import invalid_graph
 from bladesmith.onnx.targets import Target, resolve_targets
 
 _INTEGER_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32})
@@ -129,12 +129,12 @@ def fix(
             "give another output file"
         )
     original = load_model(in_path)
-    invalid = invalid_graph(original)
+    before = check(original, resolved)  # an invalid graph's findings say only that
+    invalid = _invalid(before)
     if invalid:
         raise InvalidInputError(f"{in_path}: {invalid[0].message}; fix rewrites valid graphs only")
     shapes = {name: [int(d) for d in dims] for name, dims in (input_shapes or {}).items()}
     _check_input_shapes(original, shapes)
-    before = check(original, resolved)
 
     applied: list[Rewrite] = []
     model = _checkable(_with_input_shapes(original, shapes, applied), in_path, applied)
@@ -145,8 +145,9 @@ def fix(
                   applied)  # fmt: skip
     model = _step("opset-conversion", lambda m: _convert_opset(m, resolved, applied), model,
                   applied)  # fmt: skip
+    remaining = check(model, resolved)
     # The input was valid: at the given shapes, folding computed what the model would.
-    invalid = invalid_graph(model) if shapes else []
+    invalid = _invalid(remaining) if shapes else []
     if invalid:
         raise InvalidInputError(_cannot_run_at(shapes, invalid[0].message))
 
@@ -172,9 +173,13 @@ def fix(
         targets=[target.name for target in resolved],
         applied=applied,
         before=before,
-        remaining=check(model, resolved),
+        remaining=remaining,
         verification=verification,
     )
+
+
+def _invalid(findings: list[Finding]) -> list[Finding]:
+    return [finding for finding in findings if finding.rule == validity.RULE]
 
 
 def _writable(path: Path) -> Path:
