@@ -16,11 +16,10 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-from torch.utils import _pytree as pytree
 
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
-from bladesmith.runtimes.inputs import follows_the_batch
+from bladesmith.runtimes.inputs import follows_the_batch, tensors_in
 from bladesmith.runtimes.onnxruntime import OnnxRunnerPerShape, onnx_runner
 from bladesmith.spec import ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 
@@ -89,5 +88,4 @@ class OnnxRuntime(Pass):
 
 def _sizes_past_the_batch(args: tuple) -> tuple:
     """The shapes of the tensors in ``args``, the batch dimension left out."""
-    leaves = pytree.tree_leaves(args)
-    return tuple(tuple(x.shape[1:]) for x in leaves if isinstance(x, torch.Tensor))
+    return tuple(tuple(x.shape[1:]) for x in tensors_in(args))
