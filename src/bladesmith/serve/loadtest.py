@@ -37,7 +37,7 @@ from queue import Empty
 
 import numpy as np
 
-from bladesmith.errors import BladesmithError
+from bladesmith.errors import BladesmithError, one_line
 from bladesmith.serve.answers import comparison, distance
 from bladesmith.serve.client import Client
 from bladesmith.serve.signature import NUMPY_DTYPES, random_rows, smaller_buckets
@@ -323,16 +323,13 @@ def _only_model(url: str) -> str:
             statistics = client.get_inference_statistics()
         models = sorted({m["name"] for m in statistics.get("model_stats", [])})
     except Exception as error:  # noqa: BLE001 - unreachable server: say where
-        raise BladesmithError(f"loadtest: cannot reach {url}: {_one_line(error)}") from None
+        why = one_line(str(error)) or type(error).__name__
+        raise BladesmithError(f"loadtest: cannot reach {url}: {why}") from None
     finally:
         client.close()
     if len(models) != 1:
         raise BladesmithError(f"loadtest: {url} serves {models or 'no model'}; choose --model")
     return models[0]
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 def render(rows: list[LoadRow]) -> str:
