@@ -14,6 +14,7 @@ virtual environment's packages).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -385,18 +386,13 @@ class Server:
         self.stop_problem = "; ".join(problems) or None
         return code
 
-    def _remove_shared_memory(self) -> list[str]:
+    def _remove_shared_memory(self) -> None:
         """This server's Python-backend regions left in /dev/shm (a crash leaves them)."""
-        removed = []
         shm = Path("/dev/shm")
         if shm.is_dir():
             for region in shm.glob(f"{self._shm_prefix}*"):
-                try:
+                with contextlib.suppress(OSError):
                     region.unlink()
-                    removed.append(region.name)
-                except OSError:
-                    pass
-        return removed
 
     def __enter__(self) -> Server:
         return self if self.running() else self.start()
