@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_suite.sh [cuda-tests] [cuda-ops-tests] [tests] [bench-ops] [bench-passes]
 #       [bench-optimize] [bench-optimize-b1] [probe-reload] [bench-models] [bench-scripted]
 #       [bench-families] [family-NAME] [probe-capture] [probe-capture-rcnn] [probe-rcnn]
+#       [probe-rcnn-compiled]
 #       [probe-serve-batches] [probe-serve-host]
 #       [serve-artifact] [bench-serve] [bench-serve-http|shm|uint8]
 # cuda-tests runs only the tests marked `cuda` (the rest run in CI on the CPU);
@@ -14,7 +15,8 @@
 # (default 2) at the concurrencies $SERVE_CONCURRENCY (default 1,8,32,128), batching
 # requests for up to $SERVE_DELAY_US microseconds (default 2000). probe-rcnn probes
 # $RCNN_FAMILY (default faster_rcnn) in float32, then with the passes $RCNN_PASSES
-# (default fixed_shape,fp16,channels_last,conv_fusion). A step written NAME:SECONDS is stopped after
+# (default fixed_shape,fp16,channels_last,conv_fusion); probe-rcnn-compiled probes those
+# passes with every stage compiled by Inductor. A step written NAME:SECONDS is stopped after
 # that many seconds (its log so far is kept), so that a call to a machine with a time
 # limit still returns every step's log.
 set -uo pipefail
@@ -86,6 +88,9 @@ for s in $steps; do
                 --passes fixed_shape
             step probe-rcnn-$family-fp16 python3 benchmarks/probe_rcnn.py --family $family \
                 --passes ${RCNN_PASSES:-fixed_shape,fp16,channels_last,conv_fusion} ;;
+        probe-rcnn-compiled) family=${RCNN_FAMILY:-faster_rcnn}
+            step probe-rcnn-$family-inductor python3 benchmarks/probe_rcnn.py --family $family \
+                --passes ${RCNN_PASSES:-fixed_shape,fp16,channels_last,conv_fusion} --compile ;;
         probe-serve-batches) step probe-serve-batches python3 benchmarks/probe_serve_batches.py ;;
         probe-serve-host)
             [ -f /tmp/rn32.pt ] || serve_artifact

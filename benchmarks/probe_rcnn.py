@@ -7,7 +7,9 @@ passes named applied in order. Each stage is captured as a CUDA graph of its own
 replayed (device time without launch overhead): the backbone, the RPN head, the whole
 proposal step, RoI pooling, the box head, the whole detection step and the whole call.
 Then each kernel's device time in one uncaptured call, by the op that launched it, the
-top 30 printed (all into $OUT/rcnn_kernels_FAMILY_DTYPE.txt).
+top 30 printed (all into $OUT/rcnn_kernels_FAMILY_DTYPE.txt). With --compile each stage
+is compiled by Inductor first, frozen weights and static shapes as the inductor pass
+compiles the whole model, so the figures are those of o1's fused kernels.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ def main() -> None:
     rcnns = [name for name in BUILDERS if "rcnn" in name]
     parser.add_argument("--family", default="faster_rcnn", choices=rcnns)
     parser.add_argument("--passes", default="fixed_shape,fp16,channels_last,conv_fusion")
+    parser.add_argument("--compile", action="store_true", help="each stage through Inductor")
     args = parser.parse_args()
+    torch._inductor.config.freezing = args.compile
     dev = torch.device("cuda")
     model = BUILDERS[args.family](SIZE).to(dev).eval()
     images = list(sample_images(1, SIZE, device=dev))
@@ -57,29 +61,33 @@ def main() -> None:
         boxes, valid = pipe.proposals(feats)
         pooled = pipe.pool("box_roi_pool", feats, boxes)
         stages = {
-            "backbone": lambda: pipe.features(x),
-            "rpn head": lambda: pipe.rpn_head(list(feats.values())),
-            "proposals (with rpn head)": lambda: pipe.proposals(feats),
-            "box roi pool": lambda: pipe.pool("box_roi_pool", feats, boxes),
-            "box head + predictor": lambda: pipe.box_predictor(pipe.box_head(pooled)),
-            "detect (pool, head, nms)": lambda: pipe.detect(feats, boxes, valid),
-            "whole pipeline": lambda: pipe(x),
+            "backbone": (pipe.features, x),
+            "rpn head": (pipe.rpn_head, list(feats.values())),
+            "proposals (with rpn head)": (pipe.proposals, feats),
+            "box roi pool": (lambda f, b: pipe.pool("box_roi_pool", f, b), feats, boxes),
+            "box head + predictor": (lambda p: pipe.box_predictor(pipe.box_head(p)), pooled),
+            "detect (pool, head, nms)": (pipe.detect, feats, boxes, valid),
+            "whole pipeline": (pipe, x),
         }
-        for name, fn in stages.items():
-            print(f"{name:<28} {replay_us(fn):9.1f} us", flush=True)
-        kernels(lambda: pipe(x), f"{args.family}_{str(dtype).removeprefix('torch.')}")
+        for name, (fn, *inputs) in stages.items():
+            fn = torch.compile(fn, dynamic=False) if args.compile else fn
+            stages[name] = (fn, *inputs)
+            print(f"{name:<28} {replay_us(fn, *inputs):9.1f} us", flush=True)
+        whole, image = stages["whole pipeline"]
+        tag = f"{args.family}_{str(dtype).removeprefix('torch.')}" + ("_inductor" * args.compile)
+        kernels(lambda: whole(image), tag)
 
 
-def replay_us(fn, iters: int = 50) -> float:
+def replay_us(fn, *inputs, iters: int = 50) -> float:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
-            fn()
+            fn(*inputs)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        fn(*inputs)
     for _ in range(5):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
