@@ -2,14 +2,15 @@
 # The GPU machine's work in one command: build the operators with CUDA, then the steps
 # named (default: all of them). Logs and JSON go to $OUT (default ./out). Uses the
 # machine's own python3 and torch, and bladesmith from src/.
-#   bash benchmarks/gpu_suite.sh [cuda-tests] [cuda-ops-tests] [tests] [bench-ops] [bench-passes]
-#       [bench-optimize] [bench-optimize-b1] [probe-reload] [bench-models] [bench-scripted]
+#   bash benchmarks/gpu_suite.sh [cuda-tests] [cuda-ops-tests] [cuda-families-tests] [tests]
+#       [bench-ops] [bench-passes] [bench-optimize] [bench-optimize-b1] [probe-reload] [bench-models] [bench-scripted]
 #       [bench-families] [family-NAME] [probe-capture] [probe-capture-rcnn] [probe-rcnn]
 #       [probe-rcnn-compiled]
 #       [probe-serve-batches] [probe-serve-host]
 #       [serve-artifact] [bench-serve] [bench-serve-http|shm|uint8]
 # cuda-tests runs only the tests marked `cuda` (the rest run in CI on the CPU);
-# cuda-ops-tests only those of the custom operators. family-NAME runs bench_families.py
+# cuda-ops-tests only those of the custom operators, cuda-families-tests those of the
+# detector families. family-NAME runs bench_families.py
 # for one family (retinanet, fcos, ssd300, ...) at the batch sizes in $FAMILY_BATCHES
 # (default 1), in a process of its own. bench-serve* serve with $SERVE_INSTANCES instances
 # (default 2) at the concurrencies $SERVE_CONCURRENCY (default 1,8,32,128), batching
@@ -53,6 +54,8 @@ for s in $steps; do
     case $s in
         cuda-tests) step cuda-tests "${pytest[@]}" --maxfail=25 -m cuda tests ;;
         cuda-ops-tests) step cuda-ops-tests "${pytest[@]}" --maxfail=25 -m cuda tests/ops ;;
+        cuda-families-tests) step cuda-families-tests "${pytest[@]}" --maxfail=25 -m cuda \
+            tests/families ;;
         tests) step tests "${pytest[@]}" tests ;;
         bench-ops)
             step bench-ops-fp32 python3 benchmarks/bench_postprocess.py --json "$out/bench_postprocess_fp32.json"

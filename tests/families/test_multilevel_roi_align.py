@@ -1,10 +1,12 @@
 """multilevel_roi_align against torchvision's MultiScaleRoIAlign: each box pooled from its
-own level, on ordinary and adversarial boxes (outside the image, empty, at the edges)."""
+own level, on ordinary and adversarial boxes (outside the image, empty, at the edges), by
+the operator (CPU and CUDA kernels) and by the standard operations an ONNX export uses."""
 
 import pytest
 import torch
 from torchvision.ops import MultiScaleRoIAlign
 
+from bladesmith import ops
 from bladesmith.families.multilevel_roi_align import multilevel_roi_align
 from engine_testing import cuda
 
@@ -61,15 +63,23 @@ def pooled_both(batch: int, count: int, output: int, ratio: int, dtype=torch.flo
     return reference, ours, level_of
 
 
+@pytest.fixture(params=["operator", "onnx export"])
+def route(request, monkeypatch):
+    """The operator, or the standard operations taken while exporting to ONNX."""
+    if request.param == "onnx export":
+        monkeypatch.setattr(torch.onnx, "is_in_onnx_export", lambda: True)
+    return request.param
+
+
 @pytest.mark.parametrize("output, ratio", [(7, 2), (14, 2), (7, 1), (5, 3)])
-def test_equals_torchvision_on_every_level(output, ratio):
+def test_equals_torchvision_on_every_level(output, ratio, route):
     reference, ours, level_of = pooled_both(2, 300, output, ratio)
     assert set(level_of.tolist()) == {0, 1, 2, 3}  # every level has boxes
     assert ours.shape == reference.shape and ours.dtype == reference.dtype
     torch.testing.assert_close(ours, reference, rtol=0, atol=0)  # torchvision's arithmetic
 
 
-def test_channels_last_features_give_the_same():
+def test_channels_last_features_give_the_same(route):
     maps = features(1, 16)
     rois = boxes(1, 50)
     pooler = MultiScaleRoIAlign(NAMES, 7, 2)
@@ -104,3 +114,83 @@ def test_float16_on_the_gpu_is_within_half_precision_of_float32():
     )
     assert ours.dtype == torch.float16
     torch.testing.assert_close(ours.float().cpu(), reference, rtol=1e-2, atol=1e-2)
+
+
+def operator_args(channels: int, dtype=torch.float32, device="cpu"):
+    """The operator's own arguments for two images' boxes on four levels."""
+    maps = features(2, channels, dtype, device)
+    rois = boxes(2, 200)
+    pooler = MultiScaleRoIAlign(NAMES, 7, 2)
+    pooler(features(2, 1), rois, [IMAGE] * 2)  # its scales and level mapper
+    flat = torch.cat([torch.cat([torch.full((200, 1), i), b], 1) for i, b in enumerate(rois)])
+    table = torch.cat([maps[n].permute(0, 2, 3, 1).reshape(2, -1, channels) for n in NAMES], 1)
+    sizes = [tuple(maps[n].shape[-2:]) for n in NAMES]
+    return (
+        table.reshape(-1, channels),
+        flat.to(device),
+        pooler.map_levels(rois).to(device),
+        [h for h, _ in sizes],
+        [w for _, w in sizes],
+        pooler.scales,
+        7,
+        7,
+        2,
+    )
+
+
+def test_the_operator_passes_opcheck():
+    torch.library.opcheck(ops._ops().multilevel_roi_align.default, operator_args(4))
+
+
+def test_a_box_that_names_no_image_of_the_table_pools_to_zero():
+    args = list(operator_args(4))
+    args[1] = args[1].clone()
+    args[1][:3, 0] = torch.tensor([2.0, -1.0, float("nan")])  # the table holds images 0 and 1
+    pooled = ops._ops().multilevel_roi_align(*args)
+    assert torch.equal(pooled[:3], torch.zeros_like(pooled[:3]))
+    assert pooled[3:].abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a.__setitem__(0, a[0][:-1]), "table: expected rows in whole images"),
+        (lambda a: a.__setitem__(4, a[4][:-1]), "widths, scales: expected one per level"),
+        (lambda a: a.__setitem__(2, a[2].int()), "level_of: expected dtype int64"),
+        (lambda a: a.__setitem__(8, 0), "sampling_ratio: expected a positive ratio"),
+    ],
+)
+def test_the_kernel_and_the_fake_kernel_refuse_alike(change, message):
+    args = list(operator_args(4))
+    change(args)
+    with pytest.raises((ValueError, TypeError), match=message):
+        ops._ops().multilevel_roi_align(*args)
+    from bladesmith.ops.fake import multilevel_roi_align_fake
+
+    with pytest.raises((ValueError, TypeError), match=message):
+        multilevel_roi_align_fake(*args)
+
+
+# Channels that fill the CUDA kernel's 16-byte loads (8 half or 4 float), and 6, which
+# leaves it one channel per thread.
+@cuda
+@pytest.mark.parametrize("channels", [8, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_cuda_kernel_gives_the_cpu_kernels_floats(channels, dtype):
+    on_cpu = operator_args(channels, dtype)
+    on_gpu = operator_args(channels, dtype, "cuda")
+    expected = ops._ops().multilevel_roi_align(*on_cpu)
+    found = ops._ops().multilevel_roi_align(*on_gpu)
+    assert found.dtype == dtype and found.shape == expected.shape
+    torch.testing.assert_close(found.cpu(), expected, rtol=0, atol=0)
+
+
+@cuda
+def test_the_cuda_kernel_replays_in_a_cuda_graph():
+    args = operator_args(8, torch.float16, "cuda")
+    expected = ops._ops().multilevel_roi_align(*args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        found = ops._ops().multilevel_roi_align(*args)
+    graph.replay()
+    torch.testing.assert_close(found, expected, rtol=0, atol=0)

@@ -4,9 +4,11 @@ With fixed shapes, pooling level by level means every level pools every box, and
 keeps its own level's result: four times the work on four levels (1.7 ms of Faster
 R-CNN's 4.6 ms on an H200 in float16, where torchvision's kernel is slower than in
 float32). Here all levels sit in one table of pixels (channels last), and each box's
-samples gather their four neighbours from its own level's rows: the work of one level,
-as element-wise operations that Inductor fuses. Float16 and bfloat16 features are
-mixed in float32.
+samples gather their four neighbours from its own level's rows: the work of one level.
+The operator ``bladesmith::multilevel_roi_align`` does it (a CUDA kernel reading whole
+channel vectors; a CPU kernel); in an ONNX export, which must not need bladesmith's
+library, the same arithmetic as standard element-wise operations. Float16 and bfloat16
+features are mixed in float32.
 
 The arithmetic is torchvision's ``roi_align`` (``aligned=False``, a fixed
 ``sampling_ratio``): positions in float32, each sample the bilinear mix of its four
@@ -17,6 +19,8 @@ its samples.
 from __future__ import annotations
 
 import torch
+
+from bladesmith import ops
 
 
 def multilevel_roi_align(
@@ -37,7 +41,22 @@ def multilevel_roi_align(
     # block and its level's offset there, whatever the batch.
     table = torch.cat([f.permute(0, 2, 3, 1).reshape(batch, -1, channels) for f in levels], 1)
     table = table.reshape(-1, channels)
-    sizes = [f.shape[-2:] for f in levels]
+    sizes = [tuple(f.shape[-2:]) for f in levels]
+    if torch.onnx.is_in_onnx_export():
+        pooled = _gathered(table, rois, level_of, sizes, scales, output_size, sampling_ratio)
+    else:
+        pooled = ops.multilevel_roi_align(
+            table, rois.float(), level_of, sizes, scales, output_size, sampling_ratio
+        )
+    pooled = pooled.permute(0, 3, 1, 2)
+    # In the features' memory format: the heads' convolutions then run as on them.
+    last = levels[0].is_contiguous(memory_format=torch.channels_last)
+    return pooled.contiguous(memory_format=torch.channels_last if last else torch.contiguous_format)
+
+
+def _gathered(table, rois, level_of, sizes, scales, output_size, sampling_ratio):
+    """The operator's arithmetic as standard operations: [N, h, w, C] in the table's dtype."""
+    channels = table.shape[1]
     offsets = [0]  # each level's first row in an image's block, then the block's size
     for height, width in sizes:
         offsets.append(offsets[-1] + height * width)
@@ -74,10 +93,7 @@ def multilevel_roi_align(
                 term = weight * values[:, :, iy, y, :, ix, x]
                 sample = term if sample is None else sample + term
             total = sample if total is None else total + sample
-    pooled = (total / (grid * grid)).to(levels[0].dtype).permute(0, 3, 1, 2)
-    # In the features' memory format: the heads' convolutions then run as on them.
-    last = levels[0].is_contiguous(memory_format=torch.channels_last)
-    return pooled.contiguous(memory_format=torch.channels_last if last else torch.contiguous_format)
+    return (total / (grid * grid)).to(table.dtype)
 
 
 def _per_box(level_of: torch.Tensor, values: list) -> torch.Tensor:

@@ -139,6 +139,36 @@ def roi_align(
     )
 
 
+def multilevel_roi_align(
+    table: torch.Tensor,
+    rois: torch.Tensor,
+    level_of: torch.Tensor,
+    level_sizes: Sequence[tuple[int, int]],
+    scales: Sequence[float],
+    output_size: tuple[int, int],
+    sampling_ratio: int,
+) -> torch.Tensor:
+    """torchvision's ``MultiScaleRoIAlign`` (``aligned=False``, ``sampling_ratio`` > 0) in
+    one pass: box n of ``rois`` [N, 5] (image index, box; float32) pooled from level
+    ``level_of[n]`` [N] at ``scales[level]``. ``table`` [B * P, C] holds every level's
+    pixels channels last, image by image, the levels in order (``level_sizes``: each
+    level's (height, width); P their pixels). Returns [N, h, w, C] in the table's dtype,
+    torchvision's floats (mixed in float32)."""
+    heights, widths = zip(*level_sizes)
+    height, width = output_size
+    return _ops().multilevel_roi_align(
+        table,
+        rois,
+        level_of,
+        list(heights),
+        list(widths),
+        list(scales),
+        height,
+        width,
+        sampling_ratio,
+    )
+
+
 def batched_nms(
     boxes: torch.Tensor,
     scores: torch.Tensor,

@@ -17,6 +17,7 @@ from bladesmith.ops import BBOX_CLIP
 from bladesmith.verify import dtype_name
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_LEVELS = 16  # roi::kMaxLevels (csrc/roi_align_math.h)
 
 
 def _check_rank(t: torch.Tensor, name: str, rank: int, layout: str) -> None:
@@ -230,3 +231,55 @@ def conv2d_relu_fake(x, weight, bias, residual, stride, padding, dilation, group
             f"output {sizes}"
         )
     return x.new_empty(sizes).contiguous(memory_format=torch.channels_last)
+
+
+def check_multilevel_roi_align_inputs(
+    table, rois, level_of, heights, widths, scales, pooled_height, pooled_width, sampling_ratio
+) -> int:
+    """csrc/checks.h's checks of multilevel_roi_align; returns the rows of one image."""
+    _check_rank(table, "table", 2, "[B * rows per image, C]")
+    _check_float(table, "table")
+    _check_rank(rois, "rois", 2, "[N, 5]")
+    _check_size(rois, "rois", 1, 5, "image index and box", "[N, 5]")
+    if rois.dtype != torch.float32:
+        raise TypeError(f"rois: expected dtype float32, got {dtype_name(rois.dtype)}")
+    _check_device(rois, "rois", table, "table")
+    _check_rank(level_of, "level_of", 1, "[N]")
+    _check_size(level_of, "level_of", 0, rois.shape[0], "N of rois", "[N]")
+    _check_int64(level_of, "level_of")
+    _check_device(level_of, "level_of", table, "table")
+    if not 1 <= len(heights) <= _MAX_LEVELS:
+        raise ValueError(f"heights: expected 1 to {_MAX_LEVELS} levels, got {len(heights)}")
+    if len(widths) != len(heights) or len(scales) != len(heights):
+        raise ValueError(
+            f"widths, scales: expected one per level ({len(heights)}), got {len(widths)} "
+            f"and {len(scales)}"
+        )
+    if pooled_height <= 0 or pooled_width <= 0:
+        raise ValueError(
+            "pooled_height, pooled_width: expected positive sizes, got "
+            f"{pooled_height} and {pooled_width}"
+        )
+    if sampling_ratio <= 0:
+        raise ValueError(f"sampling_ratio: expected a positive ratio, got {sampling_ratio}")
+    if min(*heights, *widths) <= 0:
+        raise ValueError(
+            f"heights, widths: expected positive sizes, got {list(heights)} and {list(widths)}"
+        )
+    rows = sum(h * w for h, w in zip(heights, widths))
+    if table.shape[0] % rows != 0:
+        raise ValueError(
+            f"table: expected rows in whole images of {rows} (the levels' pixels), got "
+            f"{table.shape[0]}"
+        )
+    return rows
+
+
+@torch.library.register_fake("bladesmith::multilevel_roi_align")
+def multilevel_roi_align_fake(
+    table, rois, level_of, heights, widths, scales, pooled_height, pooled_width, sampling_ratio
+):
+    check_multilevel_roi_align_inputs(
+        table, rois, level_of, heights, widths, scales, pooled_height, pooled_width, sampling_ratio
+    )
+    return table.new_empty((rois.shape[0], pooled_height, pooled_width, table.shape[1]))

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 
 #include <algorithm>
 #include <cmath>
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "message.h"
+#include "roi_align_math.h"
 
 namespace bladesmith {
 
@@ -46,6 +48,12 @@ inline std::string dtype_name(at::ScalarType dtype) {
     default: return c10::toString(dtype);
   }
 }
+
+// The input dtypes the operators take (check_float); the kernels compute in float.
+#define BLADESMITH_DISPATCH_FLOAT(TYPE, NAME, ...)                 \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) \
+                                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 inline bool is_supported_float(at::ScalarType dtype) {
   return dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
@@ -207,6 +215,53 @@ inline void check_nms_inputs(const at::Tensor& boxes, const at::Tensor& scores,
   check_dtype(labels, "labels", at::kLong);
   check_same_device(labels, "labels", boxes, "boxes");
   check_nms_arguments(iou_threshold, max_detections);
+}
+
+// multilevel_roi_align's inputs; returns the table's layout.
+inline roi::Levels check_multilevel_roi_align_inputs(
+    const at::Tensor& table, const at::Tensor& rois, const at::Tensor& level_of,
+    at::IntArrayRef heights, at::IntArrayRef widths, at::ArrayRef<double> scales,
+    int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio) {
+  check_rank(table, "table", 2, "[B * rows per image, C]");
+  check_float(table, "table");
+  check_rank(rois, "rois", 2, "[N, 5]");
+  check_size(rois, "rois", 1, 5, "image index and box", "[N, 5]");
+  check_dtype(rois, "rois", at::kFloat);
+  check_same_device(rois, "rois", table, "table");
+  check_rank(level_of, "level_of", 1, "[N]");
+  check_size(level_of, "level_of", 0, rois.size(0), "N of rois", "[N]");
+  check_dtype(level_of, "level_of", at::kLong);
+  check_same_device(level_of, "level_of", table, "table");
+  const auto count = static_cast<int64_t>(heights.size());
+  BLADESMITH_CHECK_VALUE(count >= 1 && count <= roi::kMaxLevels,
+                         "heights: expected 1 to ", roi::kMaxLevels, " levels, got ", count);
+  BLADESMITH_CHECK_VALUE(static_cast<int64_t>(widths.size()) == count &&
+                             static_cast<int64_t>(scales.size()) == count,
+                         "widths, scales: expected one per level (", count, "), got ",
+                         static_cast<int64_t>(widths.size()), " and ",
+                         static_cast<int64_t>(scales.size()));
+  BLADESMITH_CHECK_VALUE(pooled_height > 0 && pooled_width > 0,
+                         "pooled_height, pooled_width: expected positive sizes, got ",
+                         pooled_height, " and ", pooled_width);
+  BLADESMITH_CHECK_VALUE(sampling_ratio > 0, "sampling_ratio: expected a positive ratio, got ",
+                         sampling_ratio);
+  roi::Levels levels;
+  levels.count = count;
+  for (int64_t l = 0; l < count; ++l) {
+    BLADESMITH_CHECK_VALUE(heights[l] > 0 && widths[l] > 0,
+                           "heights, widths: expected positive sizes, got ", heights, " and ",
+                           widths);
+    levels.height[l] = heights[l];
+    levels.width[l] = widths[l];
+    levels.offset[l] = levels.rows_per_image;
+    levels.scale[l] = static_cast<float>(scales[l]);
+    levels.rows_per_image += heights[l] * widths[l];
+  }
+  BLADESMITH_CHECK_VALUE(table.size(0) % levels.rows_per_image == 0, "table: expected rows in ",
+                         "whole images of ", levels.rows_per_image, " (the levels' pixels), got ",
+                         table.size(0));
+  levels.images = table.size(0) / levels.rows_per_image;
+  return levels;
 }
 
 }  // namespace bladesmith

@@ -32,7 +32,8 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 void register_cpu_fallback(torch::Library& m) {
-  for (const char* name : {"retinanet_decode", "batched_nms", "retinanet_postprocess"}) {
+  for (const char* name : {"retinanet_decode", "batched_nms", "retinanet_postprocess",
+                           "multilevel_roi_align"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&run_on_cpu>());
   }
 }

@@ -69,6 +69,14 @@ TORCH_LIBRARY(bladesmith, m) {
   m.def(
       "roi_align_nhwc(Tensor input, Tensor rois, float spatial_scale, int pooled_height, "
       "int pooled_width, int sampling_ratio, bool aligned) -> Tensor");
+  // torchvision's MultiScaleRoIAlign (a fixed sampling ratio) in one pass: box n pooled
+  // from level level_of[n] of one channels-last table of every level's pixels, image by
+  // image; output [N, h, w, C] in the table's dtype (cpu/ and cuda/
+  // multilevel_roi_align_kernel.*, arithmetic in roi_align_math.h).
+  m.def(
+      "multilevel_roi_align(Tensor table, Tensor rois, Tensor level_of, int[] heights, "
+      "int[] widths, float[] scales, int pooled_height, int pooled_width, int sampling_ratio) "
+      "-> Tensor");
 }
 
 // CompositeExplicitAutograd rather than CompositeImplicitAutograd: it serves every backend

@@ -17,12 +17,6 @@
 namespace bladesmith {
 namespace gpu {
 
-// The input dtypes the operators take (checks.h); the kernels compute in float.
-#define BLADESMITH_DISPATCH_FLOAT(TYPE, NAME, ...)                 \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) \
-                                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
-
 // Level tables travel as kernel parameters, which keeps every launch free of host copies.
 constexpr int kMaxLevels = 16;
 
