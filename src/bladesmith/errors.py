@@ -8,6 +8,8 @@ import re
 class BladesmithError(Exception):
     """Base class: a problem the user can act on, described in the message."""
 
+    exit_code = 2  # the CLI's exit status for it: bad input (a file, a flag)
+
 
 class DeviceUnavailableError(BladesmithError, RuntimeError):
     """The device asked for does not exist here; the message names what is missing."""
