@@ -159,9 +159,11 @@ def _newest_opset() -> int:
 def _exported_input_shape(model) -> list[int | None] | None:
     """The input's dimensions (None where dynamic) of a torch.export program's module
     with one tensor input, else None."""
+    from bladesmith.onnx.exporter import is_program_module
+
     graph = getattr(model, "graph", None)
-    if "train" not in getattr(model, "__dict__", {}) or graph is None:
-        return None  # not ExportedProgram.module()
+    if not is_program_module(model) or graph is None:
+        return None
     values = [node.meta.get("val") for node in graph.nodes if node.op == "placeholder"]
     if len(values) != 1 or not hasattr(values[0], "shape"):
         return None
