@@ -215,7 +215,7 @@ def _check_runs(model, images, args) -> None:
     import torch
 
     from bladesmith._files import first_line
-    from bladesmith.cli.models import BUILTIN_MODELS, DETECTORS
+    from bladesmith.cli.models import BUILTIN_MODELS, DETECTORS, image_flags_advice
     from bladesmith.errors import BladesmithError
 
     if args.model in BUILTIN_MODELS or args.model in DETECTORS:  # built for the size
@@ -224,11 +224,9 @@ def _check_runs(model, images, args) -> None:
         with torch.no_grad():
             model(images)
     except Exception as error:
-        height, width = args.input_size
         raise BladesmithError(
             f"{args.model}: the model failed on images of shape {list(images.shape)}: "
-            f"{first_line(error)}; give --input-size (now {height}x{width}) and --batch (now "
-            f"{args.batch}) that the model takes (it gets RGB images; other inputs: from Python)"
+            f"{first_line(error)}; {image_flags_advice(args)}"
         ) from error
 
 
