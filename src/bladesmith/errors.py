@@ -31,16 +31,17 @@ _MAX_ERROR_CHARS = 400
 
 
 @contextlib.contextmanager
-def quiet_log(name: str):
-    """The logger ``name`` (torch's) silenced: it logs a failure with its traceback
+def quiet_log(name: str, level: int = logging.CRITICAL):
+    """The logger ``name`` (torch's) passing only records of ``level`` and above
+    meanwhile; by default critical ones only: it logs a failure with its traceback
     before raising it, and the error raised is what bladesmith reports, in one line."""
     logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    previous = logger.level
+    logger.setLevel(level)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.setLevel(previous)
 
 
 def describe(error: BaseException) -> str:
