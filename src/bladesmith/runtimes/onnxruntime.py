@@ -66,7 +66,7 @@ class OnnxRunnerPerShape:
     def __call__(self, *args, **kwargs):
         shapes = _shapes((args, kwargs))
         if shapes not in self.runners:
-            self.runners[shapes] = onnx_runner(self.module, args, dynamic_batch=False)
+            self.runners[shapes] = fixed_shape_runner(self.module, args)
         return self.runners[shapes](*args, **kwargs)
 
 
@@ -145,9 +145,10 @@ def cpu_runner(
     return OnnxRunner(session, output_spec, none_outputs)
 
 
-def onnx_runner(module, args: tuple, dynamic_batch: bool = True) -> OnnxRunner:
-    """``module`` exported on ``args`` and loaded in an ONNX Runtime CPU session."""
+def fixed_shape_runner(module, args: tuple) -> OnnxRunner:
+    """``module`` exported on ``args``, shapes fixed, and loaded in an ONNX Runtime CPU
+    session."""
     with tempfile.TemporaryDirectory(prefix="bladesmith-onnx-") as directory:
         path = Path(directory) / "model.onnx"
-        output_spec, none_outputs = export_onnx(module, args, path, dynamic_batch=dynamic_batch)
+        output_spec, none_outputs = export_onnx(module, args, path, dynamic_batch=False)
         return cpu_runner(path, output_spec, none_outputs)
