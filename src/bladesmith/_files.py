@@ -85,30 +85,36 @@ def contents(path: str | os.PathLike) -> str:
         head = stream.read(8)
     if head.startswith(b"PK"):
         try:
-            with zipfile.ZipFile(path) as archive:
-                names = archive.namelist()
+            archive = zipfile.ZipFile(path)
         except (zipfile.BadZipFile, OSError):
             return "a damaged ZIP archive (truncated or corrupt)"
-        if any(name.endswith("/archive_format") for name in names):
-            return "a torch.export or AOTInductor package"
-        if any("/code/" in name for name in names):
-            return "a TorchScript model"
-        pickled = [name for name in names if name.endswith("/data.pkl")]
-        if pickled:
-            with zipfile.ZipFile(path) as archive, archive.open(pickled[0]) as stream:
-                top = _pickled_class(stream)
-            if top is not None:
-                return (
-                    f"a pickled {top} (torch.save(model)), which loads only with its Python "
-                    "code; not a model file"
-                )
-            return "a torch.save file (tensors or a state dict), not a model"
-        return "a ZIP archive without a model in it"
+        with archive:
+            return _archive_contents(archive)
     if head.startswith(b"\x80"):
         return "a pickle (torch.save's legacy format), not a model"
     if head[:1] == b"\x08":
         return "possibly an ONNX model"
     return "neither a ZIP archive nor a model file (unrecognised bytes)"
+
+
+def _archive_contents(archive: zipfile.ZipFile) -> str:
+    """What a ZIP archive holds, as its names and its pickle's first class tell."""
+    names = archive.namelist()
+    if any(name.endswith("/archive_format") for name in names):
+        return "a torch.export or AOTInductor package"
+    if any("/code/" in name for name in names):
+        return "a TorchScript model"
+    pickled = [name for name in names if name.endswith("/data.pkl")]
+    if pickled:
+        with archive.open(pickled[0]) as stream:
+            top = _pickled_class(stream)
+        if top is not None:
+            return (
+                f"a pickled {top} (torch.save(model)), which loads only with its Python "
+                "code; not a model file"
+            )
+        return "a torch.save file (tensors or a state dict), not a model"
+    return "a ZIP archive without a model in it"
 
 
 # What a torch.save file of tensors and dicts of them refers to in its pickle.

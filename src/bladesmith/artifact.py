@@ -34,7 +34,7 @@ from bladesmith.errors import BladesmithError, MissingFileError, NotAnArtifactEr
 from bladesmith.families import Family, family_named
 from bladesmith.ops import libraries
 from bladesmith.runtimes.inputs import BuiltFor, Checked, follows_the_batch
-from bladesmith.runtimes.onnxruntime import cpu_runner, export_onnx
+from bladesmith.runtimes.onnxruntime import cpu_runner, export_for_any_batch
 from bladesmith.runtimes.torchscript import freeze, quiet_torchscript
 from bladesmith.spec import AOTI_SUFFIX, SAVE_FORMATS, TORCHSCRIPT_SUFFIX, Spec
 
@@ -409,11 +409,7 @@ def _write_onnx(module, args: tuple, path: Path, metadata: dict) -> None:
     ONNX's flat list of outputs is unflattened into."""
     import onnx
 
-    output_spec, none_outputs = export_onnx(module, args, path)
-    if not follows_the_batch(cpu_runner(path, output_spec, none_outputs), module, args):
-        # Its graph keeps the example's batch somewhere (a Reshape of an R-CNN's boxes):
-        # a fixed batch, which ONNX Runtime then refuses in one line, not mid-graph.
-        output_spec, none_outputs = export_onnx(module, args, path, dynamic_batch=False)
+    output_spec, none_outputs, _ = export_for_any_batch(module, args, path)
     model = onnx.load(str(path))
     entry = model.metadata_props.add()
     entry.key = METADATA_KEY

@@ -8,6 +8,8 @@ import re
 class BladesmithError(Exception):
     """Base class: a problem the user can act on, described in the message."""
 
+    exit_code = 2  # the CLI's exit status for it: bad input (a file, a flag)
+
 
 class DeviceUnavailableError(BladesmithError, RuntimeError):
     """The device asked for does not exist here; the message names what is missing."""
@@ -29,16 +31,17 @@ _MAX_ERROR_CHARS = 400
 
 
 @contextlib.contextmanager
-def quiet_log(name: str):
-    """The logger ``name`` (torch's) silenced: it logs a failure with its traceback
+def quiet_log(name: str, level: int = logging.CRITICAL):
+    """The logger ``name`` (torch's) passing only records of ``level`` and above
+    meanwhile; by default critical ones only: it logs a failure with its traceback
     before raising it, and the error raised is what bladesmith reports, in one line."""
     logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    previous = logger.level
+    logger.setLevel(level)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.setLevel(previous)
 
 
 def describe(error: BaseException) -> str:

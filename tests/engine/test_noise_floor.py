@@ -109,7 +109,7 @@ def test_keypoints_are_judged_at_the_models_own_noise_floor(gain, floor):
     config = bladesmith.Config()
     context = Context(torch.device("cpu"), "o1", config, args, [args])
     with torch.no_grad():
-        reference = Reference([model(*args)], model, context)
+        reference = Reference([model(*args)], Candidate(model, torch.device("cpu")), context)
 
         def moved(shift: float):
             outputs = model(*args)

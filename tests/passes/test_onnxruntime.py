@@ -150,10 +150,10 @@ def test_non_tensor_arguments_skip_the_pass_with_the_values_named():
 
 def test_a_runner_exported_with_constant_arguments_refuses_other_values():
     from bladesmith.errors import BladesmithError
-    from bladesmith.runtimes.onnxruntime import onnx_runner
+    from bladesmith.runtimes.onnxruntime import fixed_shape_runner
 
     net, x = Flags().eval(), torch.randn(2, 4)
-    runner = onnx_runner(net, (x, True, 1))
+    runner = fixed_shape_runner(net, (x, True, 1))
     with torch.no_grad():
         torch.testing.assert_close(runner(x, negate=True, repeat=1), net(x, True, 1))
     with pytest.raises(BladesmithError, match="negate=False: .*exported with negate=True"):

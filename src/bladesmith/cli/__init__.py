@@ -69,9 +69,10 @@ def _load_libraries(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command. A BladesmithError (bad input the user can fix: a file, a flag) is
-    one line on stderr and exit code 2; any other error one line and exit code 1 (a bug
-    to report); ``--debug`` prints the traceback before that line. A closed stdout
-    (the reader of a pipe stopped) ends the command quietly with EXIT_BROKEN_PIPE."""
+    one line on stderr and its ``exit_code`` (2; 1 for a server that did not stop
+    cleanly); any other error one line and exit code 1 (a bug to report); ``--debug``
+    prints the traceback before that line. A closed stdout (the reader of a pipe
+    stopped) ends the command quietly with EXIT_BROKEN_PIPE."""
     import traceback
 
     from bladesmith.errors import BladesmithError
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         if isinstance(error, BladesmithError):
             print(f"bladesmith {args.command}: error: {_one_line(error)}", file=sys.stderr)
-            return 2
+            return error.exit_code
         print(
             f"bladesmith {args.command}: unexpected error: {type(error).__name__}: "
             f"{_one_line(error)} (--debug shows where; please report it)",

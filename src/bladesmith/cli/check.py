@@ -91,7 +91,7 @@ def _run_check(args) -> int:
     if args.json:
         print(json.dumps([finding.to_dict() for finding in findings], indent=2))
     else:
-        _print_findings(findings, _op_types(model))
+        _print_findings(findings, _op_types(model, findings))
         errors = sum(finding.severity == "error" for finding in findings)
         print(f"{len(findings)} findings, {errors} errors")
     return 1 if has_errors(findings) else 0
@@ -126,19 +126,21 @@ def _run_fix(args) -> int:
         verification = result.verification
         reason = f" ({verification.reason})" if verification.reason else ""
         print(f"verification: {verification.status}{reason}")
-        _print_findings(result.remaining, _op_types(load_model(result.output_path)))
+        fixed = load_model(result.output_path)
+        _print_findings(result.remaining, _op_types(fixed, result.remaining))
         print(f"wrote {result.output_path}; {len(result.remaining)} findings remain")
     if result.passed:
         return 0
     return 1 if has_errors(result.remaining) else UNVERIFIED
 
 
-def _op_types(model) -> dict[str, str]:
-    """Node label (as findings name nodes) -> operator type."""
+def _op_types(model, findings) -> dict[str, str]:
+    """Node label (as findings name nodes) -> operator type; none when ``findings`` (the
+    model's check) say it is not a valid graph, which may have no nodes to view."""
     from bladesmith.onnx.checker import graph_view
-    from bladesmith.onnx.rules.validity import invalid_graph
+    from bladesmith.onnx.rules.validity import RULE
 
-    if invalid_graph(model):
+    if any(finding.rule == RULE for finding in findings):
         return {}
     view = graph_view(model)
     return {view.label(node): node.op_type for node in view.all_nodes()}

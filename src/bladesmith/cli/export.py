@@ -159,9 +159,11 @@ def _newest_opset() -> int:
 def _exported_input_shape(model) -> list[int | None] | None:
     """The input's dimensions (None where dynamic) of a torch.export program's module
     with one tensor input, else None."""
+    from bladesmith.onnx.exporter import is_program_module
+
     graph = getattr(model, "graph", None)
-    if "train" not in getattr(model, "__dict__", {}) or graph is None:
-        return None  # not ExportedProgram.module()
+    if not is_program_module(model) or graph is None:
+        return None
     values = [node.meta.get("val") for node in graph.nodes if node.op == "placeholder"]
     if len(values) != 1 or not hasattr(values[0], "shape"):
         return None
@@ -213,7 +215,7 @@ def _check_runs(model, images, args) -> None:
     import torch
 
     from bladesmith._files import first_line
-    from bladesmith.cli.models import BUILTIN_MODELS, DETECTORS
+    from bladesmith.cli.models import BUILTIN_MODELS, DETECTORS, image_flags_advice
     from bladesmith.errors import BladesmithError
 
     if args.model in BUILTIN_MODELS or args.model in DETECTORS:  # built for the size
@@ -222,11 +224,9 @@ def _check_runs(model, images, args) -> None:
         with torch.no_grad():
             model(images)
     except Exception as error:
-        height, width = args.input_size
         raise BladesmithError(
             f"{args.model}: the model failed on images of shape {list(images.shape)}: "
-            f"{first_line(error)}; give --input-size (now {height}x{width}) and --batch (now "
-            f"{args.batch}) that the model takes (it gets RGB images; other inputs: from Python)"
+            f"{first_line(error)}; {image_flags_advice(args)}"
         ) from error
 
 

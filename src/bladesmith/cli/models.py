@@ -90,3 +90,13 @@ def load_model(name: str, input_size: tuple[int, int], weights=None, num_classes
     if isinstance(model, str):
         model = load_model_file(model)
     return in_eval_mode(model)
+
+
+def image_flags_advice(args) -> str:
+    """What to change when a model file fails on the images it was given: --input-size
+    and --batch."""
+    height, width = args.input_size
+    return (
+        f"give --input-size (now {height}x{width}) and --batch (now {args.batch}) that the "
+        "model takes (it gets RGB images; other inputs: from Python)"
+    )

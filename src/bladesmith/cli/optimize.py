@@ -21,7 +21,7 @@ from bladesmith.cli.args import (
     pass_name,
     readable_file,
 )
-from bladesmith.cli.models import DEFAULT_MODEL, MODEL_HELP, model_or_file
+from bladesmith.cli.models import DEFAULT_MODEL, MODEL_HELP, image_flags_advice, model_or_file
 
 DEFAULT_INPUT_SIZE = (480, 640)
 SAVE_SUFFIXES = (".pt2", ".pt", ".onnx")  # spec.SAVE_FORMATS, without importing torch
@@ -175,11 +175,7 @@ def run_optimize(args: argparse.Namespace) -> int:
     except ModelRunError as error:
         if not isinstance(model, str):  # a built-in model takes any size: not the user's
             raise
-        height, width = args.input_size
-        raise BladesmithError(
-            f"{model}: {error}; give --input-size (now {height}x{width}) and --batch (now "
-            f"{args.batch}) that the model takes (it gets RGB images; other inputs: from Python)"
-        ) from error
+        raise BladesmithError(f"{model}: {error}; {image_flags_advice(args)}") from error
     console = output_console()
     report.render(console)
     if args.report:

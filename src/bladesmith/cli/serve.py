@@ -126,32 +126,22 @@ def _counts(text: str) -> tuple[int, ...]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import sys
+    from bladesmith.serve import serve
 
-    from bladesmith.serve import ServerStopError, serve
-
-    try:
-        serve(
-            args.artifact,
-            name=args.name,
-            libraries=tuple(args.load_library),
-            http_port=args.http_port,
-            grpc_port=args.grpc_port,
-            metrics_port=args.metrics_port,
-            host=args.host,
-            max_batch=args.max_batch,
-            max_queue_delay_us=args.max_queue_delay_us,
-            instances=args.instances,
-            device=args.device,
-            image_dtype=args.image_dtype,
-        )
-    except ServerStopError as error:  # served, then stopped badly: 1, not a usage error (2)
-        if args.debug:
-            import traceback
-
-            traceback.print_exc()
-        print(f"bladesmith serve: error: {' '.join(str(error).split())}", file=sys.stderr)
-        return 1
+    serve(
+        args.artifact,
+        name=args.name,
+        libraries=tuple(args.load_library),
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        host=args.host,
+        max_batch=args.max_batch,
+        max_queue_delay_us=args.max_queue_delay_us,
+        instances=args.instances,
+        device=args.device,
+        image_dtype=args.image_dtype,
+    )
     return 0
 
 

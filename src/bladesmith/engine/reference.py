@@ -9,11 +9,10 @@ import copy
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from bladesmith.config import Config
-from bladesmith.engine.inputs import model_dtype
 from bladesmith.errors import describe
+from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context
 from bladesmith.verify import (
     Comparison,
@@ -74,9 +73,9 @@ class Reference:
     rounding can flip (detections), the same under rounding noise: what rounding alone
     flips is not held against a pass (run the first time a comparison fails without)."""
 
-    def __init__(self, outputs: list, model: nn.Module, context: Context, family=None):
-        self.outputs, self.model, self.context, self.family = outputs, model, context, family
-        self.dtype = model_dtype(model)  # what the model as given computes in
+    def __init__(self, outputs: list, given: Candidate, context: Context, family=None):
+        self.outputs, self.model, self.context, self.family = outputs, given.module, context, family
+        self.dtype = given.dtype  # what the model as given computes in
         self.flips = family is not None or contains_detections(outputs)
         self._noisy: list | None = None
         self._floor: tuple | None | bool = False  # False: not yet measured

@@ -148,7 +148,7 @@ def optimize(
     with progress.step("running the model as given"):
         with libraries.recording() as dispatched:
             reference = Reference(
-                _reference_outputs(best, context), working, context, family_of(working)
+                _reference_outputs(best, context), given, context, family_of(working)
             )
     context.user_operators = frozenset(filter(libraries.is_user_operator, dispatched))
     _check_save_as(working, context)

@@ -254,15 +254,21 @@ def _mha_fastpath_off():
         torch.backends.mha.set_fastpath_enabled(enabled)
 
 
+def is_program_module(model) -> bool:
+    """Whether ``model`` is a torch.export program's module (``ExportedProgram.module()``,
+    what a .pt2 file loads as): it sets its own ``train``, which raises (its graph keeps
+    the mode it was exported in)."""
+    return "train" in getattr(model, "__dict__", {})
+
+
 @contextlib.contextmanager
 def _training_mode(model):
     """torch.onnx.export's ``training`` for ``model``: EVAL (the exporter calls
     ``model.train(False)``), or PRESERVE for a torch.export program's module
-    (``ExportedProgram.module()``, what a .pt2 file loads as), whose ``train()`` raises:
-    its graph keeps the mode it was exported in; its modules' ``training`` flags read
-    False meanwhile, so that the exporter exports inference. Entered inside the export's
-    ``warnings.catch_warnings()``, which undoes its filters."""
-    if "train" not in getattr(model, "__dict__", {}):
+    (``is_program_module``), whose ``train()`` raises; its modules' ``training`` flags
+    read False meanwhile, so that the exporter exports inference. Entered inside the
+    export's ``warnings.catch_warnings()``, which undoes its filters."""
+    if not is_program_module(model):
         yield torch.onnx.TrainingMode.EVAL
         return
     # Said of PRESERVE whatever the flags; and the program's input guards trace as

@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from bladesmith.errors import OpsBuildError
+from bladesmith.errors import OpsBuildError, quiet_log
 from bladesmith.toolchain import compiler_name, cuda_home, nvcc_path
 
 NAME = "bladesmith_ops"
@@ -225,13 +225,8 @@ def _cpp_extension():
     import logging
 
     # It warns at import when it finds a CUDA toolkit without a GPU: no news for a CPU build.
-    logger = logging.getLogger("torch.utils.cpp_extension")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
+    with quiet_log("torch.utils.cpp_extension", logging.ERROR):
         import torch.utils.cpp_extension as cpp_extension
-    finally:
-        logger.setLevel(level)
     return cpp_extension
 
 

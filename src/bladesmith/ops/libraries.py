@@ -120,8 +120,8 @@ def _check_namespaces(path: Path, source: str) -> None:
 
 # TORCH_LIBRARY(ns, m) defines a static object TORCH_LIBRARY_static_init_<ns>; its
 # mangled name (_ZL31TORCH_LIBRARY_static_init_myops, _ZN3fooL31...E in a C++
-# namespace) gives the name's length first. TORCH_LIBRARY_IMPL and _FRAGMENT, which may
-# share a namespace, name theirs otherwise.
+# namespace: one of the binary's ``_strings``) gives the name's length first.
+# TORCH_LIBRARY_IMPL and _FRAGMENT, which may share a namespace, name theirs otherwise.
 _DEFINITION = re.compile(rb"(\d+)(TORCH_LIBRARY_static_init_\w+)")
 _DEFINITION_PREFIX = len(b"TORCH_LIBRARY_static_init_")
 
@@ -139,9 +139,10 @@ def defined_namespaces(path: str | os.PathLike) -> frozenset[str]:
 @lru_cache(maxsize=32)
 def _defined_namespaces(path: str, mtime: float) -> frozenset[str]:
     names = set()
-    for length, name in _DEFINITION.findall(Path(path).read_bytes()):
-        if int(length) <= len(name):
-            names.add(name[_DEFINITION_PREFIX : int(length)].decode())
+    for string in _strings(path, mtime):
+        for length, name in _DEFINITION.findall(string):
+            if int(length) <= len(name):
+                names.add(name[_DEFINITION_PREFIX : int(length)].decode())
     return frozenset(names)
 
 

@@ -14,13 +14,15 @@ that check; it is exported again, with fixed shapes, for each new input shape it
 from __future__ import annotations
 
 import importlib.util
+import tempfile
+from pathlib import Path
 
 import torch
 
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
-from bladesmith.runtimes.inputs import follows_the_batch, tensors_in
-from bladesmith.runtimes.onnxruntime import OnnxRunnerPerShape, onnx_runner
+from bladesmith.runtimes.inputs import tensors_in
+from bladesmith.runtimes.onnxruntime import OnnxRunnerPerShape, cpu_runner, export_for_any_batch
 from bladesmith.spec import ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 
 
@@ -70,19 +72,18 @@ class OnnxRuntime(Pass):
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
         module, args = candidate.module, candidate.runner_args(context.example_args)
-        with context.step("exporting to ONNX, the batch dimension free"):
-            runner = onnx_runner(module, args)
-        with context.step("checking the ONNX Runtime session on a batch twice as large"):
-            follows = follows_the_batch(runner, module, args)
-        if not follows:
-            with context.step("exporting to ONNX, shapes fixed"):
-                runner = OnnxRunnerPerShape(
-                    module, args, onnx_runner(module, args, dynamic_batch=False)
-                )
-            context.notes.append(
-                "onnxruntime: the export does not follow the batch size; each new input "
-                "shape is exported again on its first call"
+        with tempfile.TemporaryDirectory(prefix="bladesmith-onnx-") as directory:
+            path = Path(directory) / "model.onnx"
+            output_spec, none_outputs, runner = export_for_any_batch(
+                module, args, path, context.step
             )
+            if runner is None:
+                fixed = cpu_runner(path, output_spec, none_outputs)
+                runner = OnnxRunnerPerShape(module, args, fixed)
+                context.notes.append(
+                    "onnxruntime: the export does not follow the batch size; each new input "
+                    "shape is exported again on its first call"
+                )
         return candidate.with_runner(runner, self.name)
 
 

@@ -7,14 +7,16 @@ batch size; a module whose graph fixes its batch anyway gets ``OnnxRunnerPerShap
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.utils import _pytree as pytree
 
-from bladesmith.runtimes.inputs import tensors_in
+from bladesmith.runtimes.inputs import follows_the_batch, tensors_in
 
 
 class OnnxRunner:
@@ -64,7 +66,7 @@ class OnnxRunnerPerShape:
     def __call__(self, *args, **kwargs):
         shapes = _shapes((args, kwargs))
         if shapes not in self.runners:
-            self.runners[shapes] = onnx_runner(self.module, args, dynamic_batch=False)
+            self.runners[shapes] = fixed_shape_runner(self.module, args)
         return self.runners[shapes](*args, **kwargs)
 
 
@@ -109,6 +111,30 @@ def export_onnx(
     return output_spec, none_outputs
 
 
+def export_for_any_batch(
+    module,
+    args: tuple,
+    path: Path,
+    step: Callable[[str], contextlib.AbstractContextManager] = lambda _: contextlib.nullcontext(),
+) -> tuple[pytree.TreeSpec, tuple[int, ...], OnnxRunner | None]:
+    """``export_onnx`` to ``path``, the batch dimension free where the session then
+    answers as ``module`` at other batches (``follows_the_batch``), else exported again
+    with shapes fixed: its graph keeps the example's batch somewhere (a Reshape of an
+    R-CNN's boxes), which ONNX Runtime then refuses in one line, not mid-graph. Returns
+    the output structure, the Nones' positions, and the session of a batch-free export
+    (None for a fixed one). ``step(text)`` shows each step (``Context.step``)."""
+    with step("exporting to ONNX, the batch dimension free"):
+        output_spec, none_outputs = export_onnx(module, args, path)
+        runner = cpu_runner(path, output_spec, none_outputs)
+    with step("checking the ONNX Runtime session on a batch twice as large"):
+        follows = follows_the_batch(runner, module, args)
+    if follows:
+        return output_spec, none_outputs, runner
+    with step("exporting to ONNX, shapes fixed"):
+        output_spec, none_outputs = export_onnx(module, args, path, dynamic_batch=False)
+    return output_spec, none_outputs, None
+
+
 def cpu_runner(
     path: Path, output_spec: pytree.TreeSpec, none_outputs: tuple[int, ...] = ()
 ) -> OnnxRunner:
@@ -119,9 +145,10 @@ def cpu_runner(
     return OnnxRunner(session, output_spec, none_outputs)
 
 
-def onnx_runner(module, args: tuple, dynamic_batch: bool = True) -> OnnxRunner:
-    """``module`` exported on ``args`` and loaded in an ONNX Runtime CPU session."""
+def fixed_shape_runner(module, args: tuple) -> OnnxRunner:
+    """``module`` exported on ``args``, shapes fixed, and loaded in an ONNX Runtime CPU
+    session."""
     with tempfile.TemporaryDirectory(prefix="bladesmith-onnx-") as directory:
         path = Path(directory) / "model.onnx"
-        output_spec, none_outputs = export_onnx(module, args, path, dynamic_batch=dynamic_batch)
+        output_spec, none_outputs = export_onnx(module, args, path, dynamic_batch=False)
         return cpu_runner(path, output_spec, none_outputs)

@@ -51,6 +51,8 @@ class ServerStopError(BladesmithError):
     """tritonserver did not stop cleanly (requests may have been cut off); what was left
     of it has been killed and its shared memory removed."""
 
+    exit_code = 1  # served, then stopped badly: not a usage error
+
 
 def tritonserver_home() -> Path:
     """The bundled server: bin/tritonserver, backends/python, python_backend_stubs."""

@@ -151,7 +151,7 @@ def signature_of(module, image_dtype: str = "float32") -> Signature:
         raise BladesmithError(
             f"serve: the artifact fails on inputs {given}: {first_line(error)}{older}"
         ) from error
-    flat = [_to_numpy(value) for value in pytree.tree_leaves(answer)]
+    flat = _numpy_leaves(answer)
     names = family.output_names if family else [f"output_{i}" for i in range(len(flat))]
     outputs = []
     for name, value in zip(names, flat):
@@ -446,12 +446,19 @@ def _all_finite(array: np.ndarray) -> bool:
 
 
 def _flat_outputs(run, tensors: list[torch.Tensor], device, uint8_images: bool) -> list[np.ndarray]:
+    """``run``'s outputs, as numpy arrays, on a bucket's staging buffers made what the
+    model takes (moved to its GPU; uint8 images made float32 / 255)."""
     if device.type == "cuda":  # a graph's inputs live on its device
         tensors = [t.to(device, non_blocking=True) for t in tensors]
     if uint8_images:
         tensors = [tensors[0].float().div_(255)]
     with torch.no_grad():
         outputs = run(*tensors)
+    return _numpy_leaves(outputs)
+
+
+def _numpy_leaves(outputs) -> list[np.ndarray]:
+    """An artifact's outputs, flattened, as numpy arrays."""
     return [_to_numpy(value) for value in pytree.tree_leaves(outputs)]
 
 
