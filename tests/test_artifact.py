@@ -10,7 +10,13 @@ import bladesmith
 from bladesmith.config import Config
 from bladesmith.errors import BladesmithError
 from bladesmith.verify import compare_detections, detection_score_tolerance
-from engine_testing import Flags, cuda, optimized_tiny_detector, tiny_detector
+from engine_testing import (
+    Flags,
+    cuda,
+    optimized_tiny_detector,
+    skip_where_torch_cannot_load_its_packages,
+    tiny_detector,
+)
 
 QUICK = Config(warmup=0, iters=1)
 
@@ -151,6 +157,7 @@ def test_aoti_detector_round_trip_on_gpu(tmp_path):
         model, device="cuda", test_data=[(photos,)], config=QUICK
     )
     assert ".pt2" in spec.untried_formats
+    skip_where_torch_cannot_load_its_packages("cuda", tmp_path)
     loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "detector.pt2"))
     # AOTInductor compiles its own kernels (TF32 convolutions in float32): scores agree
     # within the detection tolerance of the network's dtype, not bit for bit.

@@ -13,7 +13,12 @@ from torch.utils import _pytree as pytree
 
 import bladesmith
 from bladesmith.config import Config
-from engine_testing import cuda, tiny_detector
+from engine_testing import (
+    cuda,
+    skip_where_torch_cannot_load_its_packages,
+    tiny_detector,
+    torch_package_problem,
+)
 from test_artifact import optimized_net
 
 QUICK = Config(warmup=0, iters=1)
@@ -54,34 +59,6 @@ def reload_in_new_process(path, args: tuple, expected, tmp_path, rtol=1e-4, atol
     # A negative code is a signal: -11 is the segmentation fault this test exists for.
     assert done.returncode == 0, f"exit {done.returncode}: {done.stdout}{done.stderr[-2000:]}"
     return done.stdout
-
-
-_TORCH_ONLY = """
-import sys, torch
-run = torch._inductor.aoti_load_package(sys.argv[1])
-run(torch.randn(1, 3, 16, 16, device=sys.argv[2]))
-"""
-
-
-def torch_package_problem(device: str, folder) -> str | None:
-    """Why a package torch alone makes (a small conv net, no bladesmith) does not load
-    and run in a new process on ``device``, or None when it does: a machine whose torch
-    cannot load its own AOTInductor packages cannot load bladesmith's either."""
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).to(device).eval()
-    x = torch.randn(1, 3, 16, 16, device=device)
-    path = folder / "torch-only.pt2"
-    exported = torch.export.export(model, (x,), strict=False)
-    torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
-    done = subprocess.run(
-        [sys.executable, "-c", _TORCH_ONLY, str(path), device],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if done.returncode == 0:
-        return None
-    last = (done.stderr.strip().splitlines() or [""])[-1]
-    return f"exit {done.returncode} {last}".strip()
 
 
 def test_torch_loads_its_own_package_in_a_new_process_on_the_cpu(tmp_path):
@@ -126,9 +103,8 @@ def test_every_gpu_format_loads_in_a_new_process(suffix, gpu_detector, tmp_path)
     formats = (*spec.save_formats, *spec.untried_formats)  # .pt2: checked by save
     if suffix not in formats:
         pytest.skip(f"{suffix} is not a save format of this result ({formats})")
-    problem = suffix == ".pt2" and torch_package_problem("cuda", tmp_path)
-    if problem:
-        pytest.skip(f"torch's own AOTInductor packages do not load here: {problem}")
+    if suffix == ".pt2":
+        skip_where_torch_cannot_load_its_packages("cuda", tmp_path)
     path = bladesmith.save(optimized, tmp_path / f"detector{suffix}")
     with torch.no_grad():
         expected = optimized(photos)

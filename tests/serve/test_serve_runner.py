@@ -15,7 +15,7 @@ from bladesmith.artifact import OptimizedModule
 from bladesmith.errors import BladesmithError
 from bladesmith.serve.loadtest import DISTINCT_ROWS
 from bladesmith.serve.signature import BucketRunner, signature_of
-from engine_testing import cuda
+from engine_testing import cuda, skip_where_torch_cannot_load_its_packages
 
 
 def rows(count: int, seed: int) -> np.ndarray:
@@ -297,6 +297,7 @@ def test_on_a_gpu_each_runner_replays_its_own_cuda_graph(tmp_path):
     optimized, _, _ = bladesmith.optimize(
         tiny_net().cuda(), device="cuda", test_data=[(x,)], config=QUICK, passes=[]
     )
+    skip_where_torch_cannot_load_its_packages("cuda", tmp_path)
     loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt2"))
     first, second = BucketRunner(loaded), BucketRunner(loaded)
     assert isinstance(first.run, CudaGraphRunner) and first.run is not second.run
