@@ -195,9 +195,21 @@ __global__ void __launch_bounds__(kNmsThreads)
                             iou_above(kept_box[k], kept_area[k], mb, ma, iou_threshold));
           }
         }
-        for (int64_t pos = kKeptCache + part; pos < kept && !dead; pos += kNmsParts) {
-          const KeptNode& k = spilled[pos - kKeptCache];
-          dead = k.label == ml && iou_above(k.box, k.area, mb, ma, iou_threshold);
+        // From global memory: kScanUnroll loads issued before any is tested, so their
+        // latencies overlap (the RPN's NMS keeps up to 1,000 boxes per level).
+        for (int64_t pos = kKeptCache + part; pos < kept && !dead;
+             pos += kNmsParts * kScanUnroll) {
+          KeptNode node[kScanUnroll];
+#pragma unroll
+          for (int u = 0; u < kScanUnroll; ++u) {
+            const int64_t k = pos + u * kNmsParts;
+            if (k < kept) node[u] = spilled[k - kKeptCache];
+          }
+#pragma unroll
+          for (int u = 0; u < kScanUnroll; ++u) {
+            dead = dead || (pos + u * kNmsParts < kept && node[u].label == ml &&
+                            iou_above(node[u].box, node[u].area, mb, ma, iou_threshold));
+          }
         }
 #pragma unroll 4
         for (int q = 0; q < kRowBits; ++q) {
