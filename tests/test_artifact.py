@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -9,6 +11,7 @@ from torch import nn
 import bladesmith
 from bladesmith.config import Config
 from bladesmith.errors import BladesmithError
+from bladesmith.passes.torchscript import TorchScriptFreeze
 from bladesmith.verify import compare_detections, detection_score_tolerance
 from engine_testing import (
     Flags,
@@ -19,6 +22,7 @@ from engine_testing import (
 )
 
 QUICK = Config(warmup=0, iters=1)
+TRACE = TorchScriptFreeze()
 
 
 def optimized_net():
@@ -136,6 +140,54 @@ def test_a_trace_that_keeps_its_batch_is_refused_at_others_and_one_that_follows_
     torch.testing.assert_close(free(more), net(more), rtol=1e-4, atol=1e-5)
     with pytest.raises(BladesmithError, match=r"runs \[B, 3, 8, 8\] float32 only"):
         free(more[..., :7, :7])
+
+
+class SlowBatchBranch(BatchBranch):
+    """BatchBranch whose Python sleeps, which a trace drops: the torchscript pass is kept
+    whatever the machine's load."""
+
+    def forward(self, x):
+        time.sleep(0.02)
+        return super().forward(x)
+
+
+def test_the_optimized_trace_refuses_other_batches_as_its_saved_file_does(tmp_path):
+    x = torch.randn(1, 3)
+    optimized, spec, _ = bladesmith.optimize(
+        SlowBatchBranch(), device="cpu", test_data=[(x,)], config=QUICK, passes=[TRACE]
+    )
+    assert spec.backend == "torchscript" and optimized.batch_fixed  # serve keeps to its batch
+    torch.testing.assert_close(optimized(x), x * 2)
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "branch.pt"))
+    for module, source in ((optimized, "optimized module"), (loaded, str(tmp_path))):
+        with pytest.raises(BladesmithError) as refused:
+            module(torch.randn(3, 3))  # the trace would answer x * 2, silently
+        message = str(refused.value)
+        assert "\n" not in message and message.startswith(source), message
+        assert "runs [1, 3] float32 only (traced at these sizes; at another batch" in message
+
+
+class SlowPooled(nn.Module):
+    """A convolution pooled to one value per channel, at any size; sleeps as above."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        time.sleep(0.02)
+        return self.conv(x).mean(dim=(2, 3))
+
+
+def test_the_optimized_trace_that_follows_the_batch_runs_every_size_it_was_verified_at():
+    torch.manual_seed(0)
+    model, small, large = SlowPooled().eval(), torch.randn(2, 3, 8, 8), torch.randn(2, 3, 10, 10)
+    optimized, spec, _ = bladesmith.optimize(
+        model, device="cpu", test_data=[(small,), (large,)], config=QUICK, passes=[TRACE]
+    )
+    assert spec.backend == "torchscript" and not optimized.batch_fixed
+    for x in (large, torch.cat([small, small[:1]])):
+        torch.testing.assert_close(optimized(x), model(x), rtol=1e-4, atol=1e-5)
 
 
 def test_a_float64_model_is_judged_and_described_in_float64():

@@ -35,7 +35,7 @@ from bladesmith.families import Family, family_named
 from bladesmith.ops import libraries
 from bladesmith.runtimes.inputs import BuiltFor, Checked, follows_the_batch
 from bladesmith.runtimes.onnxruntime import cpu_runner, export_for_any_batch
-from bladesmith.runtimes.torchscript import freeze, quiet_torchscript
+from bladesmith.runtimes.torchscript import freeze, is_torchscript, quiet_torchscript
 from bladesmith.spec import AOTI_SUFFIX, SAVE_FORMATS, TORCHSCRIPT_SUFFIX, Spec
 
 METADATA_KEY = "bladesmith"  # AOTInductor metadata key / TorchScript extra file stem
@@ -73,7 +73,7 @@ class OptimizedModule(nn.Module):
         super().__init__()
         self._run = run
         # Runs at its spec's batch only (an AOTInductor package; a trace that keeps its
-        # example's batch): a loaded one refuses others (runtimes/inputs.py).
+        # example's batch): it refuses others (runtimes/inputs.py).
         self.batch_fixed = bool(batch_fixed)
         self.device = torch.device(device)
         self._home = with_index(self.device)  # as tensors report it
@@ -91,12 +91,21 @@ class OptimizedModule(nn.Module):
         # The model as given (nothing applied) runs as its own forward, through nothing.
         untouched = not candidate.applied and candidate.runner is None
         run = candidate.module if untouched else candidate
+        built_for, source = None, "images"
         if candidate.family is not None and spec is not None:
             # Its trace or graph has no size check (Python's is not traced): images of
             # another size or dtype would be resized and normalised as if of its own.
             why = "its fixed-shape pipeline was built for images of this size"
             built_for = BuiltFor.of(spec, free_batch=True, why=why)
-            run = Checked(run, built_for, "images") if built_for else run
+        elif spec is not None and _is_trace(candidate.runner):
+            # A trace that keeps its example's batch answers others wrongly: refused as
+            # its .pt is. One that follows the batch is left free: it was verified on
+            # every size of the test data, which its .pt (checked at one) is not.
+            inputs = _traced_inputs(candidate.runner, candidate.module, example_args)
+            if not inputs["free_batch"]:
+                built_for, source = BuiltFor.of(spec, **inputs), "optimized module"
+        if built_for is not None:
+            run = Checked(run, built_for, source)
         return cls(
             run,
             device=candidate.device,
@@ -105,6 +114,7 @@ class OptimizedModule(nn.Module):
             spec=spec,
             candidate=candidate,
             example_args=example_args,
+            batch_fixed=built_for is not None and not built_for.free_batch,
         )
 
     def as_padded(self) -> OptimizedModule:
@@ -176,6 +186,20 @@ class OptimizedModule(nn.Module):
         return f"device={self.device}, backend={backend}, output={self.output}"
 
 
+def _is_trace(runner) -> bool:
+    return isinstance(runner, nn.Module) and is_torchscript(runner)
+
+
+def _traced_inputs(trace, module, args: tuple) -> dict:
+    """What a trace of ``module`` on ``args`` runs, as ``BuiltFor.of``'s keywords: whether
+    its batch is free (``follows_the_batch``), and why others are refused."""
+    free = follows_the_batch(trace, module, args)
+    why = "traced at these sizes" + (
+        ", and checked at other batches" if free else "; at another batch it answers otherwise"
+    )
+    return {"free_batch": free, "why": why}
+
+
 def _all_on(device: torch.device, tree) -> bool:
     """Whether every tensor in ``tree`` is on ``device`` already: the usual case, checked
     without pytree's cost on every call."""
@@ -241,11 +265,7 @@ def write(optimized: OptimizedModule, path: Path, form: str = "", *, inductor_co
         )
     elif form == TORCHSCRIPT_SUFFIX:
         frozen = freeze(module, args)
-        free = follows_the_batch(frozen, module, args)
-        why = "traced at these sizes" + (
-            ", and checked at other batches" if free else "; at another batch it answers otherwise"
-        )
-        metadata["inputs"] = {"free_batch": free, "why": why}
+        metadata["inputs"] = _traced_inputs(frozen, module, args)
         extra = {_TORCHSCRIPT_EXTRA: json.dumps(metadata)}
         with quiet_torchscript():
             write_atomically(

@@ -110,6 +110,22 @@ def plugin_feeds_reshape():
     )
 
 
+def custom_nodes_of_three_kinds():
+    """A node of bladesmith's own operators (custom_ops="domain"), one of
+    onnxruntime-extensions' own (same domain) and one of another library's domain."""
+    nodes = [
+        h.make_node("BladesmithBatchedNms", ["x"], ["a"], name="ours", domain="ai.onnx.contrib"),
+        h.make_node("Inverse", ["a"], ["b"], name="extensions", domain="ai.onnx.contrib"),
+        h.make_node("TargetShape", ["b"], ["y"], name="plugin", domain="my.plugins"),
+    ]
+    return model(
+        nodes,
+        [image_input(static=True)],
+        [h.make_tensor_value_info("y", FLOAT, None)],
+        domains=["ai.onnx.contrib", "my.plugins"],
+    )
+
+
 def relu(opset=17, static=True):
     nodes = [h.make_node("Relu", ["x"], ["y"], name="relu")]
     shape = [1, 3, 8, 8] if static else ["N", 3, 8, 8]

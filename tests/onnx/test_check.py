@@ -75,6 +75,21 @@ def test_plugin_output_feeding_a_shape_input_is_an_error():
     assert "plugin" in found(findings, "custom-op", "tensorrt")[0].hint.lower()
 
 
+def test_custom_op_hints_name_what_runs_each_kind_of_node():
+    findings = check(models.custom_nodes_of_three_kinds(), ["ort-cpu", "tensorrt"])
+    ort = {f.node: f for f in found(findings, "custom-op", "ort-cpu")}
+    ours = ort["ours"]
+    # onnxruntime-extensions' library alone does not have it (not a registered op)
+    assert "onnxruntime_extensions" not in ours.hint and "pip install" not in ours.hint
+    assert "only bladesmith.onnx.session runs" in ours.message
+    assert "--custom-ops standard" in ours.hint and "custom_ops='standard'" in ours.hint
+    assert "get_library_path()" in ort["extensions"].hint
+    assert "onnxruntime_extensions" not in ort["plugin"].hint
+    trt = {f.node: f for f in found(findings, "custom-op", "tensorrt")}
+    assert "--custom-ops standard" in trt["ours"].hint and "plugin" in trt["plugin"].hint
+    assert all("\n" not in f.message + f.hint for f in findings)
+
+
 def test_opset_above_directml_ceiling_is_a_warning_and_above_tensorrt_an_error():
     findings = check(models.reduce_mean(21), ["directml", "tensorrt", "ort-cpu"])
     (finding,) = found(findings, "opset-too-new", "directml")

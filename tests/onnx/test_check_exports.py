@@ -39,3 +39,6 @@ def test_domain_mode_retinanet_reports_only_its_custom_node(retinanet_pipeline, 
     model = exported(*retinanet_pipeline, tmp_path / "domain.onnx", "domain")
     findings = check(model, ["tensorrt", "ort-cpu"])
     assert {(f.rule, f.severity) for f in findings} == {("custom-op", "warning")}
+    # What runs it, and the export any runtime runs; not onnxruntime-extensions' library alone.
+    assert all("only bladesmith.onnx.session runs" in f.message for f in findings)
+    assert all("--custom-ops standard" in f.hint for f in findings)

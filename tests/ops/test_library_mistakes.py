@@ -44,6 +44,13 @@ at::Tensor scale_add(const at::Tensor& x, const at::Tensor& y) { return x + y; }
 TORCH_LIBRARY(checked_ops, m) { m.def("scale_add(Tensor x, Tensor y) -> Tensor"); }
 TORCH_LIBRARY_IMPL(checked_ops, CPU, m) { m.impl("scale_add", scale_add); }
 """,
+    # CUDA kernels for checked_ops in a library of their own: TORCH_LIBRARY_IMPL may
+    # share a namespace that another library defines.
+    "checked_ops_cuda": _HEADER
+    + r"""
+at::Tensor halve(const at::Tensor& x) { return x / 2; }
+TORCH_LIBRARY_IMPL(checked_ops, CUDA, m) { m.impl("halve", halve); }
+""",
     # Another namespace, with a CUDA kernel only.
     "gpu_only_ops": _HEADER
     + r"""
@@ -107,6 +114,34 @@ def test_the_namespaces_a_library_defines_are_read_from_its_binary(built):
     assert libraries.defined_namespaces(built["checked_ops"]) == {"checked_ops"}
     assert libraries.defined_namespaces(built["checked_ops_v2"]) == {"checked_ops"}
     assert libraries.defined_namespaces(built["gpu_only_ops"]) == {"gpu_only_ops"}
+    assert libraries.defined_namespaces(built["checked_ops_cuda"]) == set()  # kernels only
+
+
+def test_stripped_libraries_of_one_namespace_are_refused_and_kernels_for_it_load(built, tmp_path):
+    """strip removes the symbol table, whose names of TORCH_LIBRARY's static objects told
+    which namespaces a library defines: a stripped second build aborted the process."""
+    if shutil.which("strip") is None:
+        pytest.skip("needs binutils' strip")
+    stripped = {}
+    for name in ("checked_ops", "checked_ops_v2", "checked_ops_cuda"):
+        stripped[name] = Path(shutil.copy(built[name], tmp_path / f"stripped_{name}.so"))
+        subprocess.run(["strip", "--strip-all", str(stripped[name])], check=True)
+        assert libraries.defined_namespaces(stripped[name]) is None  # what they told is gone
+    for first, second in (
+        (built["checked_ops"], stripped["checked_ops_v2"]),
+        (stripped["checked_ops"], built["checked_ops_v2"]),
+        (stripped["checked_ops"], stripped["checked_ops_v2"]),
+    ):
+        flags = ["--load-library", str(first), "--load-library", str(second)]
+        error = _one_line_error(
+            _run("-m", "bladesmith", "optimize", str(built["model"]), *flags, *SIZE, cwd=tmp_path)
+        )
+        assert f"--load-library {second}: it defines the operator namespace checked_ops" in error
+        assert f"which {first} defines too" in error and "load only one of them" in error
+    script = "import sys; from bladesmith.ops import libraries; libraries.load_all(sys.argv[1:])"
+    kernels = [str(stripped["checked_ops"]), str(stripped["checked_ops_cuda"])]
+    loaded = _run("-c", script, *kernels, cwd=tmp_path)
+    assert loaded.returncode == 0, loaded.stderr
 
 
 def test_two_builds_of_one_namespace_are_refused_before_the_second_loads(built, tmp_path):

@@ -31,16 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from bladesmith.errors import BladesmithError
+from bladesmith.onnx.custom_nodes import DOMAIN, OP_TYPES
 
-DOMAIN = "ai.onnx.contrib"
 DOMAIN_VERSION = 1
 MODES = ("domain", "standard")
 MIN_OPSET = 13  # Unsqueeze/ReduceSum take axes as inputs from 13 on; the lowering uses that
-OP_TYPES = {
-    "retinanet_decode": "BladesmithRetinaNetDecode",
-    "batched_nms": "BladesmithBatchedNms",
-    "retinanet_postprocess": "BladesmithRetinaNetPostprocess",
-}
 
 _FLOAT32_LOWEST = float(torch.finfo(torch.float32).min)
 

@@ -16,6 +16,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -74,8 +76,9 @@ def load(path: str | os.PathLike, source: str = LIBRARY_FLAG) -> Path:
     """Load one operator library (``torch.ops.load_library``), named in errors as
     ``source`` gives it; a missing or unloadable file is one line naming it. The same
     library loaded already (this file or a copy of it) is not loaded again, and one that
-    defines a namespace a loaded library defines is refused: either would register the
-    namespace twice, which aborts the process (C++ terminate)."""
+    defines a namespace this process defines already (a loaded library, stripped or not)
+    is refused: either would register the namespace twice, which aborts the process (C++
+    terminate)."""
     path = Path(path).expanduser().resolve()
     if path.is_dir():
         found = sorted(library.name for library in path.glob("*.so"))
@@ -105,41 +108,121 @@ def _loaded_copy(path: Path) -> Path | None:
 
 
 def _check_namespaces(path: Path, source: str) -> None:
-    """One line when ``path`` defines a namespace that a loaded library defines too."""
+    """One line when ``path`` defines a namespace that this process defines already.
+    A stripped binary's bytes still name the namespaces it registers, but not how
+    (TORCH_LIBRARY_IMPL and _FRAGMENT may share a defined one): one that names a defined
+    namespace is loaded in a child process first, where that namespace is defined too."""
     defined = defined_namespaces(path)
+    if defined is not None:
+        taken = [namespace for namespace in sorted(defined) if _defined_here(namespace)]
+    else:
+        named = sorted(filter(_defined_here, _named_in(path, _user_namespaces())))
+        taken = _redefined_by_loading(path, named) if named else []
+    if taken:
+        raise BladesmithError(
+            f"{source} {path}: it defines the operator namespace {taken[0]} "
+            f"(TORCH_LIBRARY), which {_definer(taken[0])}; a process takes one library per "
+            "namespace (two builds or versions of one library?): load only one of them"
+        )
+
+
+def _defined_here(namespace: str) -> bool:
+    """Whether a TORCH_LIBRARY (or ``torch.library.Library(namespace, "DEF")``) of this
+    process defines ``namespace``: the dispatcher refuses a second definition in a raised
+    error here, not in a static initializer, whose error aborts."""
+    try:
+        definition = torch._C._dispatch_library("DEF", namespace, "", __file__, 0)
+    except RuntimeError:
+        return True
+    definition.reset()
+    return False
+
+
+def _user_namespaces() -> set[str]:
+    """The namespaces of the operators registered in this process, torch's and
+    bladesmith's own left out."""
+    names = torch._C._dispatch_get_all_op_names()
+    return {name.partition("::")[0] for name in names} - _BUILTIN_NAMESPACES
+
+
+# A child process that loads a library (argv[1]) where the namespaces after it are
+# defined first, as TORCH_LIBRARY defines them: a second definition aborts it.
+_TRIAL = """
+import sys, torch
+held = []  # a definition lasts as long as its handle
+for namespace in sys.argv[2:]:
+    try:
+        held.append(torch._C._dispatch_library("DEF", namespace, "", "", 0))
+    except RuntimeError:  # torch defines it itself
+        pass
+torch.ops.load_library(sys.argv[1])
+"""
+_REDEFINED = re.compile(r"register the namespace (\w+)")
+
+
+def _redefined_by_loading(path: Path, namespaces: list[str]) -> list[str]:
+    """Those of ``namespaces`` (defined here) that loading ``path`` defines again, tried
+    in a child process; any of them when that process aborts for another reason, which
+    this one would too."""
+    trial = subprocess.run(
+        [sys.executable, "-c", _TRIAL, str(path), *namespaces], capture_output=True, text=True
+    )
+    if trial.returncode >= 0:  # loaded, or an error that load_library raises here too
+        return []
+    match = _REDEFINED.search(trial.stderr)
+    return [match.group(1)] if match else namespaces
+
+
+def _definer(namespace: str) -> str:
+    """What defines ``namespace`` in this process, as the refusal says it."""
     for loaded in sorted(torch.ops.loaded_libraries):
-        both = sorted(defined & defined_namespaces(loaded))
-        if both:
-            raise BladesmithError(
-                f"{source} {path}: it defines the operator namespace {both[0]} "
-                f"(TORCH_LIBRARY), which {loaded} defines too and is loaded already; a "
-                "process takes one library per namespace (two builds or versions of one "
-                "library?): load only one of them"
-            )
+        defined = defined_namespaces(loaded)
+        if defined is None:  # stripped: the names it holds
+            defined = _named_in(Path(loaded), {namespace})
+        if namespace in defined:
+            return f"{loaded} defines too and is loaded already"
+    return "this process defines already (a library loaded otherwise, or torch.library)"
+
+
+def _named_in(path: Path, namespaces: Iterable[str]) -> set[str]:
+    """Those of ``namespaces`` that ``path``'s bytes hold as C strings (one may end
+    another: the linker keeps "ops" as the tail of "my_ops"); none from a file that cannot
+    be read (``torch.ops.load_library`` says why)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return set()
+    return {namespace for namespace in namespaces if namespace.encode() + b"\0" in data}
 
 
 # TORCH_LIBRARY(ns, m) defines a static object TORCH_LIBRARY_static_init_<ns>; its
 # mangled name (_ZL31TORCH_LIBRARY_static_init_myops, _ZN3fooL31...E in a C++
 # namespace: one of the binary's ``_strings``) gives the name's length first.
 # TORCH_LIBRARY_IMPL and _FRAGMENT, which may share a namespace, name theirs otherwise.
+# These are local symbols, in the symbol table only, which strip (and --strip-all,
+# --strip-unneeded) removes.
 _DEFINITION = re.compile(rb"(\d+)(TORCH_LIBRARY_static_init_\w+)")
 _DEFINITION_PREFIX = len(b"TORCH_LIBRARY_static_init_")
+_REGISTRATION = re.compile(rb"TORCH_LIBRARY(?:_IMPL|_FRAGMENT)?_static_init_")
 
 
-def defined_namespaces(path: str | os.PathLike) -> frozenset[str]:
+def defined_namespaces(path: str | os.PathLike) -> frozenset[str] | None:
     """The namespaces a library binary defines with ``TORCH_LIBRARY``, read from its
-    symbol table (empty for a stripped binary, which is then loaded unchecked, and for a
-    loaded library whose file is gone)."""
+    symbol table; None where it has none (stripped, or registering without torch's
+    macros) or cannot be read (a loaded library whose file is gone)."""
     try:
         return _defined_namespaces(str(path), os.path.getmtime(path))
     except OSError:
-        return frozenset()
+        return None
 
 
 @lru_cache(maxsize=32)
-def _defined_namespaces(path: str, mtime: float) -> frozenset[str]:
+def _defined_namespaces(path: str, mtime: float) -> frozenset[str] | None:
+    strings = _strings(path, mtime)
+    if not any(_REGISTRATION.search(string) for string in strings):
+        return None
     names = set()
-    for string in _strings(path, mtime):
+    for string in strings:
         for length, name in _DEFINITION.findall(string):
             if int(length) <= len(name):
                 names.add(name[_DEFINITION_PREFIX : int(length)].decode())
@@ -353,7 +436,7 @@ def _loaded_instead(operator: str) -> str:
     namespace, _, name = operator.partition("::")
     notes = []
     for loaded in sorted(torch.ops.loaded_libraries):
-        defined = defined_namespaces(loaded) - _BUILTIN_NAMESPACES
+        defined = (defined_namespaces(loaded) or frozenset()) - _BUILTIN_NAMESPACES
         if namespace in defined:
             notes.append(f"{Path(loaded).name} defines {namespace} without {name}")
         elif defined:

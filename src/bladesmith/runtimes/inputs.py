@@ -6,7 +6,8 @@ batch (``if x.size(0) > 1:`` is recorded as the branch the example took): either
 a call of another shape with rows read past the input, or computed for another batch.
 A loaded artifact therefore runs what it was built for (``BuiltFor``: its spec's input
 shapes and dtypes, and whether its batch is free, which its metadata records) and
-refuses anything else in one line (``Checked``).
+refuses anything else in one line (``Checked``); so does the result of ``optimize`` that
+runs a trace keeping its example's batch.
 """
 
 from __future__ import annotations

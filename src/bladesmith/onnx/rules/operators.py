@@ -340,13 +340,6 @@ def _value_info(view: GraphView, name: str) -> onnx.ValueInfoProto:
 def custom_operators(view: GraphView, target: Target) -> list[Finding]:
     """Operators of a domain the target has no kernels for: they need a library."""
     known = operator_list(target.kernel_source).domains | onnx_domains()
-    if target.trt_shape_rules:
-        hint = "register a TensorRT plugin of this name (IPluginCreator) before building"
-    else:
-        hint = (
-            "register the op's library: SessionOptions.register_custom_ops_library(path) "
-            "(onnxruntime_extensions.get_library_path() for ai.onnx.contrib)"
-        )
     # The user's custom nodes, as the file lists them (ONNX Runtime targets).
     users = {
         (custom_nodes.DOMAIN, entry["op_type"]): entry
@@ -355,6 +348,8 @@ def custom_operators(view: GraphView, target: Target) -> list[Finding]:
     return [
         _users_kernel(view, node, target, users[node.domain, node.op_type])
         if (node.domain, node.op_type) in users
+        else _bladesmiths_kernel(view, node, target)
+        if (node.domain, node.op_type) in _BLADESMITH_NODES
         else Finding(
             rule=CUSTOM_RULE,
             severity="warning",
@@ -362,12 +357,43 @@ def custom_operators(view: GraphView, target: Target) -> list[Finding]:
             node=view.label(node),
             message=f"{node.domain}::{node.op_type} is a custom operator; "
             f"{target.title} runs it only with a registered implementation",
-            hint=hint,
+            hint=_library_hint(node.domain, target),
             source=operator_list(target.kernel_source).source,
         )
         for node in view.all_nodes()
         if _normal_domain(node.domain) not in known
     ]
+
+
+_BLADESMITH_NODES = frozenset((custom_nodes.DOMAIN, t) for t in custom_nodes.OP_TYPES.values())
+
+
+def _library_hint(domain: str, target: Target) -> str:
+    if target.trt_shape_rules:
+        return "register a TensorRT plugin of this name (IPluginCreator) before building"
+    if domain == custom_nodes.DOMAIN:  # onnxruntime-extensions' own operators
+        return (
+            "register onnxruntime-extensions' library: SessionOptions."
+            "register_custom_ops_library(onnxruntime_extensions.get_library_path())"
+        )
+    return "register the op's library: SessionOptions.register_custom_ops_library(path)"
+
+
+def _bladesmiths_kernel(view: GraphView, node, target: Target) -> Finding:
+    """A node of bladesmith's own operators (``custom_ops="domain"``): onnxruntime-extensions'
+    library does not have it; bladesmith.onnx.session registers its kernel there first."""
+    return Finding(
+        rule=CUSTOM_RULE,
+        severity="warning",
+        target=target.name,
+        node=view.label(node),
+        message=f"{node.domain}::{node.op_type} is bladesmith's operator (custom_ops='domain'), "
+        "which only bladesmith.onnx.session runs (its CPU kernel, registered with "
+        f"onnxruntime-extensions), not {target.title} alone",
+        hint=f"for {target.title}, export standard ONNX: bladesmith export onnx MODEL OUT "
+        "--custom-ops standard (bladesmith.onnx.export(..., custom_ops='standard'))",
+        source="bladesmith's operators (bladesmith.onnx.custom_nodes.OP_TYPES)",
+    )
 
 
 def _users_kernel(view: GraphView, node, target: Target, entry: dict) -> Finding:
