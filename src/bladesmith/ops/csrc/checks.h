@@ -264,4 +264,23 @@ inline roi::Levels check_multilevel_roi_align_inputs(
   return levels;
 }
 
+// A multilevel_roi_align call as every kernel takes it: the checked inputs, contiguous,
+// the table's layout, and the output [N, h, w, C].
+struct MultilevelRoiAlign {
+  roi::Levels levels;
+  at::Tensor table, rois, level_of, output;
+};
+
+inline MultilevelRoiAlign multilevel_roi_align_call(
+    const at::Tensor& table, const at::Tensor& rois, const at::Tensor& level_of,
+    at::IntArrayRef heights, at::IntArrayRef widths, at::ArrayRef<double> scales,
+    int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio) {
+  const roi::Levels levels = check_multilevel_roi_align_inputs(
+      table, rois, level_of, heights, widths, scales, pooled_height, pooled_width,
+      sampling_ratio);
+  return {levels, table.contiguous(), rois.contiguous(), level_of.contiguous(),
+          at::empty({rois.size(0), pooled_height, pooled_width, table.size(1)},
+                    table.options())};
+}
+
 }  // namespace bladesmith

@@ -16,25 +16,22 @@ at::Tensor multilevel_roi_align_cpu(const at::Tensor& table, const at::Tensor& r
                                     at::IntArrayRef widths, at::ArrayRef<double> scales,
                                     int64_t pooled_height, int64_t pooled_width,
                                     int64_t sampling_ratio) {
-  const roi::Levels levels = check_multilevel_roi_align_inputs(
-      table, rois, level_of, heights, widths, scales, pooled_height, pooled_width,
-      sampling_ratio);
+  const auto call = multilevel_roi_align_call(table, rois, level_of, heights, widths, scales,
+                                              pooled_height, pooled_width, sampling_ratio);
+  const roi::Levels& levels = call.levels;
   const int64_t count = rois.size(0), channels = table.size(1);
-  auto output = at::empty({count, pooled_height, pooled_width, channels}, table.options());
+  auto output = call.output;
   if (output.numel() == 0) return output;
-  const auto rows = table.contiguous();
-  const auto boxes = rois.contiguous();
-  const auto level = level_of.contiguous();
   const int64_t grid = sampling_ratio;
   const float samples = static_cast<float>(grid * grid);
   BLADESMITH_DISPATCH_FLOAT(table.scalar_type(), "multilevel_roi_align_cpu", [&] {
-    const scalar_t* data = rows.const_data_ptr<scalar_t>();
+    const scalar_t* data = call.table.const_data_ptr<scalar_t>();
     scalar_t* out = output.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> sum(channels);
       for (int64_t n = begin; n < end; ++n) {
-        const roi::Box box = roi::box_on(levels, boxes.const_data_ptr<float>() + n * 5,
-                                         level.const_data_ptr<int64_t>()[n], pooled_height,
+        const roi::Box box = roi::box_on(levels, call.rois.const_data_ptr<float>() + n * 5,
+                                         call.level_of.const_data_ptr<int64_t>()[n], pooled_height,
                                          pooled_width);
         for (int64_t ph = 0; ph < pooled_height; ++ph) {
           for (int64_t pw = 0; pw < pooled_width; ++pw) {

@@ -67,17 +67,15 @@ __global__ void multilevel_roi_align_kernel(const T* __restrict__ table,
 }
 
 template <typename T, int V>
-void launch(const at::Tensor& table, const at::Tensor& rois, const at::Tensor& level_of,
-            const roi::Levels& levels, int64_t pooled_h, int64_t pooled_w, int64_t grid,
-            at::Tensor& out) {
+void launch(MultilevelRoiAlign& call, int64_t pooled_h, int64_t pooled_w, int64_t grid) {
   constexpr int threads = 256;
-  const int64_t total = out.numel() / V;
+  const int64_t total = call.output.numel() / V;
   auto kernel = multilevel_roi_align_kernel<T, V>;
   const int64_t blocks = std::min(ceil_div(total, threads), resident_blocks(kernel, threads) * 8);
   kernel<<<blocks, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      table.const_data_ptr<T>(), rois.const_data_ptr<float>(),
-      level_of.const_data_ptr<int64_t>(), levels, total, table.size(1), pooled_h, pooled_w, grid,
-      out.mutable_data_ptr<T>());
+      call.table.const_data_ptr<T>(), call.rois.const_data_ptr<float>(),
+      call.level_of.const_data_ptr<int64_t>(), call.levels, total, call.table.size(1), pooled_h,
+      pooled_w, grid, call.output.mutable_data_ptr<T>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -86,30 +84,22 @@ at::Tensor multilevel_roi_align_cuda(const at::Tensor& table, const at::Tensor& 
                                      at::IntArrayRef widths, at::ArrayRef<double> scales,
                                      int64_t pooled_height, int64_t pooled_width,
                                      int64_t sampling_ratio) {
-  const roi::Levels levels = check_multilevel_roi_align_inputs(
-      table, rois, level_of, heights, widths, scales, pooled_height, pooled_width,
-      sampling_ratio);
+  auto call = multilevel_roi_align_call(table, rois, level_of, heights, widths, scales,
+                                        pooled_height, pooled_width, sampling_ratio);
   const c10::cuda::CUDAGuard guard(table.device());
-  const int64_t channels = table.size(1);
-  auto out = at::empty({rois.size(0), pooled_height, pooled_width, channels}, table.options());
-  if (out.numel() == 0) return out;
-  const auto rows = table.contiguous();
-  const auto boxes = rois.contiguous();
-  const auto level = level_of.contiguous();
+  if (call.output.numel() == 0) return call.output;
   BLADESMITH_DISPATCH_FLOAT(table.scalar_type(), "multilevel_roi_align_cuda", [&] {
     // 16-byte loads where every row starts on a 16-byte boundary.
     constexpr int wide = 16 / sizeof(scalar_t);
-    const bool aligned = channels % wide == 0 &&
-                         reinterpret_cast<uintptr_t>(rows.const_data_ptr()) % 16 == 0;
+    const bool aligned = table.size(1) % wide == 0 &&
+                         reinterpret_cast<uintptr_t>(call.table.const_data_ptr()) % 16 == 0;
     if (aligned) {
-      launch<scalar_t, wide>(rows, boxes, level, levels, pooled_height, pooled_width,
-                             sampling_ratio, out);
+      launch<scalar_t, wide>(call, pooled_height, pooled_width, sampling_ratio);
     } else {
-      launch<scalar_t, 1>(rows, boxes, level, levels, pooled_height, pooled_width,
-                          sampling_ratio, out);
+      launch<scalar_t, 1>(call, pooled_height, pooled_width, sampling_ratio);
     }
   });
-  return out;
+  return call.output;
 }
 
 }  // namespace
