@@ -123,6 +123,24 @@ C10_HOST_DEVICE inline bool bilinear(float y, float x, int64_t height, int64_t w
   return true;
 }
 
+// visit(s) for each sample of bin (ph, pw) of box that lies inside its level, in
+// torchvision's order (row by row); the others read 0. Templated on the visitor, so a
+// kernel's own lambda runs where it was written, on the host or the device.
+#pragma nv_exec_check_disable
+template <typename Visit>
+C10_HOST_DEVICE inline void for_each_sample(const Box& box, int64_t ph, int64_t pw,
+                                            int64_t grid, Visit&& visit) {
+  if (box.first_row < 0) return;
+  for (int64_t iy = 0; iy < grid; ++iy) {
+    const float y = sample_at(box.y0, ph, box.bin_h, iy, grid);
+    for (int64_t ix = 0; ix < grid; ++ix) {
+      const float x = sample_at(box.x0, pw, box.bin_w, ix, grid);
+      Bilinear s;
+      if (bilinear(y, x, box.height, box.width, s)) visit(s);
+    }
+  }
+}
+
 // A sample's value: w1 v1 + w2 v2 + w3 v3 + w4 v4, left to right.
 C10_HOST_DEVICE inline float mix(const Bilinear& s, float v1, float v2, float v3, float v4) {
   return add(add(add(mul(s.w1, v1), mul(s.w2, v2)), mul(s.w3, v3)), mul(s.w4, v4));

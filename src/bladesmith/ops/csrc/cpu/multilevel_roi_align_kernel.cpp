@@ -36,22 +36,16 @@ at::Tensor multilevel_roi_align_cpu(const at::Tensor& table, const at::Tensor& r
         for (int64_t ph = 0; ph < pooled_height; ++ph) {
           for (int64_t pw = 0; pw < pooled_width; ++pw) {
             std::fill(sum.begin(), sum.end(), 0.f);
-            for (int64_t iy = 0; iy < grid && box.first_row >= 0; ++iy) {
-              const float y = roi::sample_at(box.y0, ph, box.bin_h, iy, grid);
-              for (int64_t ix = 0; ix < grid; ++ix) {
-                const float x = roi::sample_at(box.x0, pw, box.bin_w, ix, grid);
-                roi::Bilinear s;
-                if (!roi::bilinear(y, x, box.height, box.width, s)) continue;  // reads 0
-                const scalar_t* v1 = data + (box.first_row + s.p1) * channels;
-                const scalar_t* v2 = data + (box.first_row + s.p2) * channels;
-                const scalar_t* v3 = data + (box.first_row + s.p3) * channels;
-                const scalar_t* v4 = data + (box.first_row + s.p4) * channels;
-                for (int64_t c = 0; c < channels; ++c) {
-                  sum[c] += roi::mix(s, static_cast<float>(v1[c]), static_cast<float>(v2[c]),
-                                     static_cast<float>(v3[c]), static_cast<float>(v4[c]));
-                }
+            roi::for_each_sample(box, ph, pw, grid, [&](const roi::Bilinear& s) {
+              const scalar_t* v1 = data + (box.first_row + s.p1) * channels;
+              const scalar_t* v2 = data + (box.first_row + s.p2) * channels;
+              const scalar_t* v3 = data + (box.first_row + s.p3) * channels;
+              const scalar_t* v4 = data + (box.first_row + s.p4) * channels;
+              for (int64_t c = 0; c < channels; ++c) {
+                sum[c] += roi::mix(s, static_cast<float>(v1[c]), static_cast<float>(v2[c]),
+                                   static_cast<float>(v3[c]), static_cast<float>(v4[c]));
               }
-            }
+            });
             scalar_t* bin = out + ((n * pooled_height + ph) * pooled_width + pw) * channels;
             for (int64_t c = 0; c < channels; ++c) {
               bin[c] = static_cast<scalar_t>(sum[c] / samples);

@@ -41,24 +41,18 @@ __global__ void multilevel_roi_align_kernel(const T* __restrict__ table,
     float sum[V];
 #pragma unroll
     for (int v = 0; v < V; ++v) sum[v] = 0.f;
-    for (int64_t iy = 0; iy < grid && box.first_row >= 0; ++iy) {
-      const float y = roi::sample_at(box.y0, ph, box.bin_h, iy, grid);
-      for (int64_t ix = 0; ix < grid; ++ix) {
-        const float x = roi::sample_at(box.x0, pw, box.bin_w, ix, grid);
-        roi::Bilinear s;
-        if (!roi::bilinear(y, x, box.height, box.width, s)) continue;  // reads 0
-        const T* base = table + box.first_row * channels + c;
-        const auto a = *reinterpret_cast<const Vector<T, V>*>(base + s.p1 * channels);
-        const auto b = *reinterpret_cast<const Vector<T, V>*>(base + s.p2 * channels);
-        const auto d = *reinterpret_cast<const Vector<T, V>*>(base + s.p3 * channels);
-        const auto e = *reinterpret_cast<const Vector<T, V>*>(base + s.p4 * channels);
+    roi::for_each_sample(box, ph, pw, grid, [&](const roi::Bilinear& s) {
+      const T* base = table + box.first_row * channels + c;
+      const auto a = *reinterpret_cast<const Vector<T, V>*>(base + s.p1 * channels);
+      const auto b = *reinterpret_cast<const Vector<T, V>*>(base + s.p2 * channels);
+      const auto d = *reinterpret_cast<const Vector<T, V>*>(base + s.p3 * channels);
+      const auto e = *reinterpret_cast<const Vector<T, V>*>(base + s.p4 * channels);
 #pragma unroll
-        for (int v = 0; v < V; ++v) {
-          sum[v] = roi::add(sum[v], roi::mix(s, to_float(a.v[v]), to_float(b.v[v]),
-                                             to_float(d.v[v]), to_float(e.v[v])));
-        }
+      for (int v = 0; v < V; ++v) {
+        sum[v] = roi::add(sum[v], roi::mix(s, to_float(a.v[v]), to_float(b.v[v]),
+                                           to_float(d.v[v]), to_float(e.v[v])));
       }
-    }
+    });
     Vector<T, V> result;
 #pragma unroll
     for (int v = 0; v < V; ++v) result.v[v] = from_float<T>(roi::div(sum[v], samples));
