@@ -267,6 +267,27 @@ def test_a_detector_served_as_uint8_answers_a_float_image_and_a_load_test(detect
         assert (row.answered, row.wrong, row.failed) == (12, 0, 0)
 
 
+def test_a_mask_rcnn_is_served_with_its_masks_and_load_tested_on_them(mask_artifact):
+    from bladesmith.serve.loadtest import loadtest
+    from bladesmith.verify import compare_detections
+
+    path, photos = mask_artifact
+    http, grpc, metrics = free_ports(3)
+    expected = bladesmith.load(path)(list(photos))
+    with bladesmith.serve(
+        path, http_port=http, grpc_port=grpc, metrics_port=metrics, block=False
+    ) as server:
+        with bladesmith.client(server.url, "mask") as segment:
+            assert segment.detections and segment.max_batch == 2
+            got = segment(photos)
+        assert [set(answer) for answer in got] == [{"boxes", "scores", "labels", "masks"}] * 2
+        comparison = compare_detections(expected, got)
+        assert comparison.passed and comparison.fields["masks"].deviation is not None
+        # Its test rows are views of photographs, each answer's masks judged too.
+        [row] = loadtest(server.url, concurrency=(4,), requests=16)
+        assert (row.answered, row.wrong, row.failed) == (16, 0, 0)
+
+
 def test_serve_loads_the_operator_libraries_saved_beside_the_artifact(user_op_artifact):
     # No --load-library: each model instance, a process of its own, loads scaled.pt.libs/
     # as bladesmith.load does anywhere.
