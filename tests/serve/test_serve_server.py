@@ -395,6 +395,8 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
 ):
     from http.client import HTTPConnection
 
+    import tritonclient.grpc as triton_grpc
+
     http, grpc, metrics = free_ports(3)
     log = tmp_path / "serve.log"
     command = [
@@ -412,18 +414,31 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
 
     def send(seed: int) -> None:  # one client per thread; bounded by time and count
         generator = np.random.default_rng(seed)
-        client = triton.InferenceServerClient(f"127.0.0.1:{http}", network_timeout=60)
+        protocol = triton_grpc if seed % 2 else triton  # half over gRPC
+        if protocol is triton:
+            client = triton.InferenceServerClient(f"127.0.0.1:{http}", network_timeout=60)
+        else:
+            client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc}")
         try:
             for _ in range(5000):
                 if stop_sending.is_set():
                     return
                 x = generator.standard_normal((1, 3, 8, 8), dtype=np.float32)
+                tensor = protocol.InferInput("input_0", list(x.shape), "FP32")
+                tensor.set_data_from_numpy(x)
                 try:
-                    scores = _request(client, x).as_numpy("output_0")
-                except InferenceServerException as error:  # refused: the model is unloaded
-                    assert "unknown model" in error.message(), error.message()
-                    outcomes.append("refused")
-                    continue
+                    scores = client.infer("net", [tensor]).as_numpy("output_0")
+                except InferenceServerException as error:
+                    # Refused as unavailable, to be sent again: never "unknown model" (404).
+                    if "shutting down" in error.message():
+                        assert error.status() in ("503", "StatusCode.UNAVAILABLE"), error
+                        outcomes.append(f"refused {protocol.__name__}")
+                        continue
+                    # gRPC's word for a connection closed or refused.
+                    assert error.status() in ("StatusCode.UNAVAILABLE", "StatusCode.CANCELLED")
+                    assert "not found" not in error.message().lower(), error
+                    outcomes.append("closed")
+                    return
                 except Exception as error:  # noqa: BLE001 - closed or refused connections
                     assert isinstance(error, OSError) or "closed" in str(error), repr(error)
                     outcomes.append("closed")
@@ -473,7 +488,7 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
     assert f"serving net: http 127.0.0.1:{http}, grpc grpc://127.0.0.1:{grpc}" in text
     assert f"Started HTTPService at 127.0.0.1:{http}" in text
     assert f"Started GRPCInferenceService at 127.0.0.1:{grpc}" in text
-    assert "refused" in outcomes or "closed" in outcomes
+    assert {"refused tritonclient.http", "refused tritonclient.grpc"} <= set(outcomes)
     assert not _group(tritonserver[0]), "a tritonserver or stub process survived"
     assert all(_port_free(port) for port in (http, grpc, metrics))
     leaked = [name for name in os.listdir("/dev/shm") if f"_{process.pid}_" in name]
