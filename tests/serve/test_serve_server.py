@@ -524,6 +524,35 @@ def test_a_tritonserver_that_dies_leaves_no_stub_or_shared_memory_and_says_so(ne
     assert all(_port_free(port) for port in (http, grpc, metrics))
 
 
+def test_tritonserver_shows_no_secret_to_local_users_and_refuses_repository_calls(
+    net_artifacts,
+):
+    # /proc/PID/cmdline (ps) is every local user's to read: a header value that opens an
+    # API (--http-restricted-api, --grpc-restricted-protocol) would be theirs too.
+    import tritonclient.grpc as triton_grpc
+
+    http, grpc, metrics = free_ports(3)
+    with bladesmith.serve(
+        net_artifacts[".pt"], http_port=http, grpc_port=grpc, metrics_port=metrics, block=False
+    ) as server:
+        command = Path(f"/proc/{server._process.pid}/cmdline").read_bytes().decode()
+        assert "restricted" not in command and "model-control-mode" not in command
+        # Nobody loads or unloads a model: over HTTP, over gRPC, with any header.
+        for call in ("unload", "load"):
+            refused = urllib.request.Request(
+                f"http://127.0.0.1:{http}/v2/repository/models/net/{call}",
+                data=b"{}",
+                headers={"bladesmith-admin": "guess"},
+            )
+            with pytest.raises(urllib.error.HTTPError):
+                urllib.request.urlopen(refused, timeout=10)
+        client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc}")
+        with pytest.raises(InferenceServerException, match="not allowed"):
+            client.unload_model("net")
+        assert client.is_model_ready("net")
+        client.close()
+
+
 def test_serve_that_did_not_stop_cleanly_says_so_in_one_line_and_exits_1(monkeypatch, capsys):
     import bladesmith.serve as serving
     from bladesmith.serve import ServerStopError

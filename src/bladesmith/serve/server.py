@@ -41,7 +41,6 @@ DRAIN_TIMEOUT_S = 30.0
 SEND_TIMEOUT_S = 5.0
 EXIT_TIMEOUT_S = 5
 DEFAULT_HOST = "127.0.0.1"  # this machine only; "0.0.0.0": every interface
-_ADMIN_HEADER = "bladesmith-admin"  # the repository API (unload) needs it; clients do not
 _PORT_FLAGS = ("--http-port", "--grpc-port", "--metrics-port")
 
 
@@ -215,7 +214,6 @@ class Server:
         self._process: subprocess.Popen | None = None
         self._workdir: tempfile.TemporaryDirectory | None = None
         self._owns = owns  # removed once the server has stopped (a generated repository)
-        self._token = secrets.token_hex(16)
         # The Python backend's shared-memory regions: /dev/shm/PREFIX*, this server's own.
         self._shm_prefix = f"bladesmith_triton_{os.getpid()}_{secrets.token_hex(4)}_"
 
@@ -239,16 +237,13 @@ class Server:
         self.stop_problem = None
         self._workdir = tempfile.TemporaryDirectory(prefix="bladesmith-triton-")
         backends = _backend_directory(home, Path(self._workdir.name) / "backends")
-        admin = f"model-repository:{_ADMIN_HEADER}={self._token}"
         command = [
             str(home / "bin" / "tritonserver"),
             f"--model-repository={self.repository}",
             f"--backend-directory={backends}",
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
-            "--model-control-mode=explicit",
-            "--load-model=*",
-            f"--http-restricted-api={admin}",
-            f"--grpc-restricted-protocol={admin}",
+            # No model control: nobody loads or unloads a model through the repository
+            # API, so no secret opens it (a command line is every local user's to read).
             f"--http-address={self.host}",
             f"--grpc-address={self.host}",
             f"--metrics-address={self.host}",
