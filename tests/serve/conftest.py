@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from serve_testing import QUICK, LastStep, ScaleClips, Tagger, optimized_net, typed_inputs
+from serve_testing import (
+    MASK_SIZE,
+    QUICK,
+    LastStep,
+    ScaleClips,
+    Tagger,
+    optimized_net,
+    tiny_mask_rcnn,
+    typed_inputs,
+)
 
 import bladesmith
 
@@ -27,6 +36,24 @@ def detector_artifact(tmp_path_factory):
 
     optimized, _, photos = optimized_tiny_detector()
     path = bladesmith.save(optimized, tmp_path_factory.mktemp("detector") / "detector.pt")
+    return path, photos
+
+
+@pytest.fixture(scope="session")
+def mask_artifact(tmp_path_factory):
+    """The tiny Mask R-CNN's fixed-shape padded pipeline at batch 2 (served with masks
+    besides the detections), saved as TorchScript; and its two photographs."""
+    from bladesmith.models.images import sample_images
+    from bladesmith.passes.fixed_shape import FixedShape
+    from engine_testing import Memoized
+
+    model = tiny_mask_rcnn()
+    photos = sample_images(2, MASK_SIZE)
+    optimized, _, _ = bladesmith.optimize(
+        model, device="cpu", test_data=[(list(photos),)], config=QUICK,
+        passes=[FixedShape(), Memoized()],
+    )  # fmt: skip
+    path = bladesmith.save(optimized, tmp_path_factory.mktemp("mask") / "mask.pt")
     return path, photos
 
 

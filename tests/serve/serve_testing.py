@@ -1,5 +1,6 @@
 """What the serving tests share: the tiny net and its reference weights, models taking
-other dtypes than float32, a model calling the user's operator, free loopback ports."""
+other dtypes than float32, a model calling the user's operator, a tiny Mask R-CNN, free
+loopback ports."""
 
 from __future__ import annotations
 
@@ -109,3 +110,44 @@ def typed_inputs(model: nn.Module, rows: int = NET_BATCH, seed: int = 0) -> tupl
         return ids, mask
     x = torch.randn(rows, 6, 5, generator=generator, dtype=torch.float64)
     return x, torch.randint(1, 7, (rows,), generator=generator)
+
+
+MASK_SIZE = (128, 160)
+
+
+def tiny_mask_rcnn() -> nn.Module:
+    """A torchvision Mask R-CNN small enough for a CPU (a 3-layer backbone, 32-channel
+    heads, 20 detections of 3 classes), with detections as many and varied as a trained
+    model's (``calibrate_rcnn``)."""
+    from torchvision.models.detection import MaskRCNN
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+    from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
+    from torchvision.ops import MultiScaleRoIAlign
+
+    from bladesmith.families.rcnn import calibrate_rcnn
+
+    torch.manual_seed(0)
+    layers = []
+    for channels_in, channels in ((3, 16), (16, 32), (32, 32)):
+        layers += [nn.Conv2d(channels_in, channels, 3, 2, 1), nn.BatchNorm2d(channels), nn.ReLU()]
+    backbone = nn.Sequential(*layers)
+    backbone.out_channels = 32
+    model = MaskRCNN(
+        backbone,
+        num_classes=None,  # the predictors say it
+        rpn_anchor_generator=AnchorGenerator(((16, 32, 64),), ((0.5, 1.0, 2.0),)),
+        box_roi_pool=MultiScaleRoIAlign(["0"], 7, 2),
+        box_head=TwoMLPHead(32 * 7 * 7, 64),
+        box_predictor=FastRCNNPredictor(64, 4),
+        mask_roi_pool=MultiScaleRoIAlign(["0"], 14, 2),
+        mask_head=MaskRCNNHeads(32, (32, 32), 1),
+        mask_predictor=MaskRCNNPredictor(32, 32, 4),
+        min_size=min(MASK_SIZE),
+        max_size=max(MASK_SIZE),
+        rpn_pre_nms_top_n_test=200,
+        rpn_post_nms_top_n_test=100,
+        box_detections_per_img=20,
+    ).eval()
+    calibrate_rcnn(model, MASK_SIZE)
+    return model

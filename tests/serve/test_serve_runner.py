@@ -437,6 +437,32 @@ def test_loadtest_asks_each_row_from_other_slots_in_every_bucket_size():
         assert len(answers) == 4 and all(answer["row"].tolist() == [[i, i]] for answer in answers)
 
 
+def test_loadtest_judges_a_mask_rcnns_masks_and_counts_a_wrong_mask_as_wrong(mask_artifact):
+    from bladesmith.serve.answers import comparison
+
+    path, photos = mask_artifact
+    runner = BucketRunner(bladesmith.load(path))
+    first, second = runner.answer([[photos[0][None].numpy()], [photos[1][None].numpy()]])
+    assert list(first) == ["boxes", "scores", "labels", "num_detections", "masks"]
+    count = int(first["num_detections"].reshape(-1)[0])
+    assert count >= 2
+    masks = first["masks"]
+    # Rounding in the probabilities moves no pixel across 0.5 past the score tolerance.
+    rounded = dict(first, masks=masks + np.float32(1e-4))
+    # Each detection's boxes, scores and labels as they were, with another one's mask.
+    swapped = masks.copy()
+    swapped[:, [0, 1]] = masks[:, [1, 0]]
+    assert _outcomes([first, second], [first, rounded, dict(first, masks=swapped), second]) == [
+        "answered",
+        "answered",
+        "wrong",
+        "mixed up",
+    ]
+    # An output nothing can compare is not passed unseen.
+    depth = dict(first, depth=np.zeros_like(first["scores"]))
+    assert not comparison(None)(depth, depth)
+
+
 def _keep(answer: dict, indices: list[int]) -> dict:
     """A padded detector answer (one row) with only the detections at ``indices``."""
     kept = {"num_detections": np.full_like(answer["num_detections"], len(indices))}

@@ -267,6 +267,27 @@ def test_a_detector_served_as_uint8_answers_a_float_image_and_a_load_test(detect
         assert (row.answered, row.wrong, row.failed) == (12, 0, 0)
 
 
+def test_a_mask_rcnn_is_served_with_its_masks_and_load_tested_on_them(mask_artifact):
+    from bladesmith.serve.loadtest import loadtest
+    from bladesmith.verify import compare_detections
+
+    path, photos = mask_artifact
+    http, grpc, metrics = free_ports(3)
+    expected = bladesmith.load(path)(list(photos))
+    with bladesmith.serve(
+        path, http_port=http, grpc_port=grpc, metrics_port=metrics, block=False
+    ) as server:
+        with bladesmith.client(server.url, "mask") as segment:
+            assert segment.detections and segment.max_batch == 2
+            got = segment(photos)
+        assert [set(answer) for answer in got] == [{"boxes", "scores", "labels", "masks"}] * 2
+        comparison = compare_detections(expected, got)
+        assert comparison.passed and comparison.fields["masks"].deviation is not None
+        # Its test rows are views of photographs, each answer's masks judged too.
+        [row] = loadtest(server.url, concurrency=(4,), requests=16)
+        assert (row.answered, row.wrong, row.failed) == (16, 0, 0)
+
+
 def test_serve_loads_the_operator_libraries_saved_beside_the_artifact(user_op_artifact):
     # No --load-library: each model instance, a process of its own, loads scaled.pt.libs/
     # as bladesmith.load does anywhere.
@@ -374,6 +395,8 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
 ):
     from http.client import HTTPConnection
 
+    import tritonclient.grpc as triton_grpc
+
     http, grpc, metrics = free_ports(3)
     log = tmp_path / "serve.log"
     command = [
@@ -391,18 +414,31 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
 
     def send(seed: int) -> None:  # one client per thread; bounded by time and count
         generator = np.random.default_rng(seed)
-        client = triton.InferenceServerClient(f"127.0.0.1:{http}", network_timeout=60)
+        protocol = triton_grpc if seed % 2 else triton  # half over gRPC
+        if protocol is triton:
+            client = triton.InferenceServerClient(f"127.0.0.1:{http}", network_timeout=60)
+        else:
+            client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc}")
         try:
             for _ in range(5000):
                 if stop_sending.is_set():
                     return
                 x = generator.standard_normal((1, 3, 8, 8), dtype=np.float32)
+                tensor = protocol.InferInput("input_0", list(x.shape), "FP32")
+                tensor.set_data_from_numpy(x)
                 try:
-                    scores = _request(client, x).as_numpy("output_0")
-                except InferenceServerException as error:  # refused: the model is unloaded
-                    assert "unknown model" in error.message(), error.message()
-                    outcomes.append("refused")
-                    continue
+                    scores = client.infer("net", [tensor]).as_numpy("output_0")
+                except InferenceServerException as error:
+                    # Refused as unavailable, to be sent again: never "unknown model" (404).
+                    if "shutting down" in error.message():
+                        assert error.status() in ("503", "StatusCode.UNAVAILABLE"), error
+                        outcomes.append(f"refused {protocol.__name__}")
+                        continue
+                    # gRPC's word for a connection closed or refused.
+                    assert error.status() in ("StatusCode.UNAVAILABLE", "StatusCode.CANCELLED")
+                    assert "not found" not in error.message().lower(), error
+                    outcomes.append("closed")
+                    return
                 except Exception as error:  # noqa: BLE001 - closed or refused connections
                     assert isinstance(error, OSError) or "closed" in str(error), repr(error)
                     outcomes.append("closed")
@@ -452,7 +488,7 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
     assert f"serving net: http 127.0.0.1:{http}, grpc grpc://127.0.0.1:{grpc}" in text
     assert f"Started HTTPService at 127.0.0.1:{http}" in text
     assert f"Started GRPCInferenceService at 127.0.0.1:{grpc}" in text
-    assert "refused" in outcomes or "closed" in outcomes
+    assert {"refused tritonclient.http", "refused tritonclient.grpc"} <= set(outcomes)
     assert not _group(tritonserver[0]), "a tritonserver or stub process survived"
     assert all(_port_free(port) for port in (http, grpc, metrics))
     leaked = [name for name in os.listdir("/dev/shm") if f"_{process.pid}_" in name]
@@ -486,6 +522,35 @@ def test_a_tritonserver_that_dies_leaves_no_stub_or_shared_memory_and_says_so(ne
     assert not _group_members(pid)
     assert not [name for name in os.listdir("/dev/shm") if name.startswith(server._shm_prefix)]
     assert all(_port_free(port) for port in (http, grpc, metrics))
+
+
+def test_tritonserver_shows_no_secret_to_local_users_and_refuses_repository_calls(
+    net_artifacts,
+):
+    # /proc/PID/cmdline (ps) is every local user's to read: a header value that opens an
+    # API (--http-restricted-api, --grpc-restricted-protocol) would be theirs too.
+    import tritonclient.grpc as triton_grpc
+
+    http, grpc, metrics = free_ports(3)
+    with bladesmith.serve(
+        net_artifacts[".pt"], http_port=http, grpc_port=grpc, metrics_port=metrics, block=False
+    ) as server:
+        command = Path(f"/proc/{server._process.pid}/cmdline").read_bytes().decode()
+        assert "restricted" not in command and "model-control-mode" not in command
+        # Nobody loads or unloads a model: over HTTP, over gRPC, with any header.
+        for call in ("unload", "load"):
+            refused = urllib.request.Request(
+                f"http://127.0.0.1:{http}/v2/repository/models/net/{call}",
+                data=b"{}",
+                headers={"bladesmith-admin": "guess"},
+            )
+            with pytest.raises(urllib.error.HTTPError):
+                urllib.request.urlopen(refused, timeout=10)
+        client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc}")
+        with pytest.raises(InferenceServerException, match="not allowed"):
+            client.unload_model("net")
+        assert client.is_model_ready("net")
+        client.close()
 
 
 def test_serve_that_did_not_stop_cleanly_says_so_in_one_line_and_exits_1(monkeypatch, capsys):

@@ -23,8 +23,9 @@ def add_parser(subparsers) -> None:
             "Server (bundled with nvidia-pytriton): HTTP, gRPC and Prometheus metrics, dynamic "
             "batching into the artifact's batch size (partial batches padded), one process "
             "per model instance. Listens on 127.0.0.1 unless --host says otherwise. Stops "
-            "on Ctrl-C or SIGTERM: refuses new requests, answers those in flight, stops "
-            "Triton and every process it started (exit 1 when Triton did not stop cleanly)."
+            "on Ctrl-C or SIGTERM: refuses new requests (HTTP 503, gRPC UNAVAILABLE: send "
+            "them again), answers those being computed, then ends Triton and every process "
+            "it started (exit 1 when that was not clean)."
         ),
     )
     serve.add_argument("artifact", metavar="ARTIFACT", help=".pt2, .pt or .onnx artifact")

@@ -68,10 +68,10 @@ def serve(
     each in its own process; ``device`` is ``cpu``, ``cuda`` or ``cuda:0,1`` (default: the
     artifact's). ``image_dtype="uint8"`` serves a detector's images as uint8 (a quarter of
     the bytes; made float32 in [0, 1] on the device). ``block``: serve until SIGINT or
-    SIGTERM, then stop (new requests are refused, those in flight answered); raises
-    ``ServerStopError`` if tritonserver did not stop cleanly (what was left of it is
-    killed all the same); else return the started ``Server`` (a context manager;
-    ``stop()`` it).
+    SIGTERM, then stop (new requests are refused with HTTP 503 / gRPC UNAVAILABLE, those
+    being computed answered); raises ``ServerStopError`` if tritonserver did not stop
+    cleanly (what was left of it is killed all the same); else return the started
+    ``Server`` (a context manager; ``stop()`` it).
     """
     ports = {"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port}
     for flag, port in ports.items():

@@ -3,8 +3,10 @@ the rounding of the dtype the model computes in (the load test's judgement, and 
 runner's check of its smaller buckets), and how far it is from another row's.
 
 An answer is a dict of the served outputs by name, rows first. A detector's (the padded
-boxes, scores, labels and num_detections) is compared as ``optimize``'s gate compares
-detections, after its padding is cut as ``bladesmith.client`` cuts it.
+boxes, scores, labels and num_detections, then any field of each detection: a Mask R-CNN's
+masks) is compared as ``optimize``'s gate compares detections, after its padding is cut as
+``bladesmith.client`` cuts it: every field on the matched detections, by its measure in
+``verify.fields`` (masks by the pixels that cross 0.5 beyond the rounding of the dtype).
 """
 
 from __future__ import annotations
@@ -28,14 +30,16 @@ def comparison(compute_dtype: str | None):
     def same(answer: dict, reference: dict, variants=()) -> bool:
         if not _same_form(answer, reference):
             return False
-        if _detector(reference):
+        if is_detector(reference):
             score_atol = detection_score_tolerance(compute) if compute else None
-            return compare_detections(
+            compared = compare_detections(
                 _detections(reference),
                 _detections(answer),
                 score_atol=score_atol,
                 noisy=[_detections(variant) for variant in variants],
-            ).passed
+            )
+            # A field that no measure compares is not known to be right.
+            return compared.passed and not compared.unverified
         return all(_close(answer[name], expected, compute) for name, expected in reference.items())
 
     return same
@@ -43,11 +47,12 @@ def comparison(compute_dtype: str | None):
 
 def distance(answer: dict, reference: dict) -> float:
     """How far a served answer is from a reference: a detector's 1 - F1 of their
-    detections (matched as the gate matches them), another model's largest absolute
-    difference; infinite where the outputs' names or shapes differ."""
+    detections (matched as the gate matches them; their fields, such as masks, aside),
+    another model's largest absolute difference; infinite where the outputs' names or
+    shapes differ."""
     if not _same_form(answer, reference):
         return float("inf")
-    if _detector(reference):
+    if is_detector(reference):
         return 1.0 - compare_detections(_detections(reference), _detections(answer)).f1
     return max(
         float(np.abs(answer[name].astype(np.float64) - expected).max(initial=0.0))
@@ -55,21 +60,23 @@ def distance(answer: dict, reference: dict) -> float:
     )
 
 
+def is_detector(names) -> bool:
+    """Whether outputs named ``names`` (in order) are a detector's padded ones: boxes,
+    scores, labels and num_detections, then any field of each detection (masks)."""
+    return tuple(names)[:4] == DetectionFamily.output_names
+
+
 def cut_padding(row: dict) -> dict:
-    """One image's padded detections (boxes, scores, labels, num_detections) cut to its
-    count: torchvision's dict."""
+    """One image's padded detections cut to its count: torchvision's dict (boxes, scores,
+    labels and each field of a detection, such as masks)."""
     count = int(row["num_detections"].reshape(-1)[0])
-    return {name: row[name][:count] for name in ("boxes", "scores", "labels")}
+    return {name: value[:count] for name, value in row.items() if name != "num_detections"}
 
 
 def _same_form(answer: dict, reference: dict) -> bool:
     return answer.keys() == reference.keys() and all(
         answer[name].shape == expected.shape for name, expected in reference.items()
     )
-
-
-def _detector(answer: dict) -> bool:
-    return tuple(answer)[:4] == DetectionFamily.output_names
 
 
 def _close(got: np.ndarray, expected: np.ndarray, compute) -> bool:

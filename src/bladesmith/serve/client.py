@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bladesmith.errors import BladesmithError
-from bladesmith.families.base import DetectionFamily
-from bladesmith.serve.answers import cut_padding
+from bladesmith.serve.answers import cut_padding, is_detector
 from bladesmith.serve.signature import NUMPY_DTYPES
 
 
@@ -70,7 +69,7 @@ class Client:
         # (bladesmith's Python backend does): what test rows of it draw from.
         ranges = json.loads(parameters.get("input_ranges", {}).get("string_value") or "{}")
         self.input_ranges = {name: tuple(bounds) for name, bounds in ranges.items()}
-        self.detections = tuple(self.outputs) == DetectionFamily.output_names
+        self.detections = is_detector(self.outputs)
 
     def _call(self, method, *args, **kwargs):
         from tritonclient.utils import InferenceServerException
@@ -107,10 +106,10 @@ class Client:
 
     def __call__(self, *inputs) -> list[dict]:
         """One dict per row, for the rows of each input (a batch [N, ...], a list of rows,
-        or one row alone): a detector's boxes, scores and labels per image (as torch
-        tensors, padding cut), another model's outputs by name. A detector's images are
-        converted to the server's float32 or uint8; other inputs are cast to their
-        served dtypes (int32 ids to int64, float64 to float32)."""
+        or one row alone): a detector's boxes, scores and labels per image (and a Mask
+        R-CNN's masks; as torch tensors, padding cut), another model's outputs by name. A
+        detector's images are converted to the server's float32 or uint8; other inputs
+        are cast to their served dtypes (int32 ids to int64, float64 to float32)."""
         import torch
 
         if len(inputs) != len(self.inputs):

@@ -54,8 +54,9 @@ class LoadRow:
     wrong: int  # answers that differ from the reference: mixed up or corrupted
     mixed_up: int  # of the wrong, those closer to another row's reference than to their own
     # Of the wrong, the largest distance from their own row's reference (a detector's:
-    # 1 - F1 of the detections; else the largest absolute difference); 0 when none.
-    # Rounding noise stays near 0; a detector's answer to another image is near 1.
+    # 1 - F1 of the detections, 0 where only a field such as a mask is wrong; else the
+    # largest absolute difference); 0 when none. Rounding noise stays near 0; a
+    # detector's answer to another image is near 1.
     farthest: float
     failed: int  # errors and timeouts
     seconds: float

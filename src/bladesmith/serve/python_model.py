@@ -5,7 +5,8 @@ buffer is shared between instances. The config's parameters name the artifact (b
 this file, with the operator libraries saved with it, which ``bladesmith.load`` loads),
 operator libraries to load first (``--load-library``), and the torch threads per instance.
 Each request is answered on its own: a bad one gets an error response, the rest of its
-dynamic batch is still run.
+dynamic batch is still run. Once bladesmith serve is stopping, each request is refused
+as unavailable (``bladesmith.serve.stopping`` says why).
 """
 
 import json
@@ -26,8 +27,11 @@ class TritonPythonModel:
 
         import bladesmith
         from bladesmith.serve.signature import BadRequest, BucketRunner
+        from bladesmith.serve.stopping import admission
 
         self._bad_request = BadRequest
+        self._admitted = admission()
+        self._name = args["model_name"]
 
         here = Path(args["model_repository"]) / args["model_version"]
         for library in json.loads(parameters.get("libraries", "[]")):
@@ -44,6 +48,14 @@ class TritonPythonModel:
         self.input_names = [spec.name for spec in self.runner.signature.inputs]
 
     def execute(self, requests):
+        with self._admitted() as admitted:
+            if not admitted:
+                # An error of its own for each response: the backend frees it with the
+                # response (one shared by several crashed tritonserver).
+                return [pb_utils.InferenceResponse(error=self._shutting_down()) for _ in requests]
+            return self._answer(requests)
+
+    def _answer(self, requests):
         arrays = [
             [
                 pb_utils.get_input_tensor_by_name(request, name).as_numpy()
@@ -59,6 +71,13 @@ class TritonPythonModel:
                 tensors = [_tensor(name, value) for name, value in answer.items()]
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses
+
+    def _shutting_down(self):
+        """UNAVAILABLE: HTTP 503, gRPC UNAVAILABLE, which clients may send again."""
+        return pb_utils.TritonError(
+            f"{self._name}: the server is shutting down; send the request again, to another server",
+            pb_utils.TritonError.UNAVAILABLE,
+        )
 
     def _error(self, answer):
         """A refused request is the client's error (INVALID_ARG: HTTP 400, gRPC

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import secrets
 import signal
@@ -26,24 +25,22 @@ import sysconfig
 import tempfile
 import threading
 import time
-import urllib.parse
 import urllib.request
 from pathlib import Path
 
 from bladesmith.errors import BladesmithError
+from bladesmith.serve import stopping
 
 STARTUP_TIMEOUT_S = 300.0
-# Stopping: the models are unloaded first (Triton refuses new requests for them at once and
-# answers those in flight, within DRAIN_TIMEOUT_S), then tritonserver is sent SIGINT and
-# closes its endpoints: a client's idle keep-alive connection holds that up to
-# EXIT_TIMEOUT_S. Whatever is left after KILL_AFTER_S more is killed, the Python backend's
-# stubs included (a tritonserver that crashes leaves them running).
+# Stopping (``stopping`` says why so): the model instances refuse new requests and finish
+# the batches they are computing, within DRAIN_TIMEOUT_S; their answers reach the clients
+# within SEND_TIMEOUT_S; then tritonserver's processes, the Python backend's stubs
+# included, are ended. EXIT_TIMEOUT_S is tritonserver's own, where another signals it (it
+# gets SIGTERM when the process that started it dies).
 DRAIN_TIMEOUT_S = 30.0
+SEND_TIMEOUT_S = 5.0
 EXIT_TIMEOUT_S = 5
-KILL_AFTER_S = 15.0
-SHUTDOWN_TIMEOUT_S = DRAIN_TIMEOUT_S + EXIT_TIMEOUT_S + KILL_AFTER_S  # the longest stop()
 DEFAULT_HOST = "127.0.0.1"  # this machine only; "0.0.0.0": every interface
-_ADMIN_HEADER = "bladesmith-admin"  # the repository API (unload) needs it; clients do not
 _PORT_FLAGS = ("--http-port", "--grpc-port", "--metrics-port")
 
 
@@ -192,10 +189,10 @@ class Server:
     """tritonserver on ``repository``; ``start()`` returns once it is ready.
 
     It listens on ``host`` (default 127.0.0.1: this machine only; "0.0.0.0": every
-    interface). ``stop()`` unloads the models (new requests are refused, those in flight
-    answered), stops tritonserver, kills whatever is left of it (the Python backend's
-    stubs included) and removes its shared memory; ``stop_problem`` says why a stop was
-    not clean (None when it was).
+    interface). ``stop()`` has the model instances refuse new requests (HTTP 503, gRPC
+    UNAVAILABLE) and answer those they are computing, then ends tritonserver and its
+    processes (the Python backend's stubs included) and removes its shared memory;
+    ``stop_problem`` says why a stop was not clean (None when it was).
     """
 
     def __init__(
@@ -219,7 +216,6 @@ class Server:
         self._process: subprocess.Popen | None = None
         self._workdir: tempfile.TemporaryDirectory | None = None
         self._owns = owns  # removed once the server has stopped (a generated repository)
-        self._token = secrets.token_hex(16)
         # The Python backend's shared-memory regions: /dev/shm/PREFIX*, this server's own.
         self._shm_prefix = f"bladesmith_triton_{os.getpid()}_{secrets.token_hex(4)}_"
 
@@ -243,16 +239,13 @@ class Server:
         self.stop_problem = None
         self._workdir = tempfile.TemporaryDirectory(prefix="bladesmith-triton-")
         backends = _backend_directory(home, Path(self._workdir.name) / "backends")
-        admin = f"model-repository:{_ADMIN_HEADER}={self._token}"
         command = [
             str(home / "bin" / "tritonserver"),
             f"--model-repository={self.repository}",
             f"--backend-directory={backends}",
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
-            "--model-control-mode=explicit",  # so that stop() can unload the models first
-            "--load-model=*",
-            f"--http-restricted-api={admin}",
-            f"--grpc-restricted-protocol={admin}",
+            # No model control: nobody loads or unloads a model through the repository
+            # API, so no secret opens it (a command line is every local user's to read).
             f"--http-address={self.host}",
             f"--grpc-address={self.host}",
             f"--metrics-address={self.host}",
@@ -267,7 +260,7 @@ class Server:
         try:
             self._process = subprocess.Popen(
                 command,
-                env=server_environment(),
+                env={**server_environment(), **stopping.environment(Path(self._workdir.name))},
                 stdout=output,
                 stderr=subprocess.STDOUT if output else None,
                 stdin=subprocess.DEVNULL,
@@ -298,19 +291,11 @@ class Server:
             time.sleep(0.25)
         raise BladesmithError(f"serve: tritonserver was not ready after {timeout:.0f} s")
 
-    def _http(self, path: str, *, post: bool = False, timeout: float = 2.0):
-        url = f"http://{_url_host(self.host)}:{self.http_port}/v2/{path}"
-        request = urllib.request.Request(
-            url, data=b"{}" if post else None, headers={_ADMIN_HEADER: self._token}
-        )
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = response.read()
-            return json.loads(body) if body else None
-
     def _health(self, what: str) -> bool:
+        url = f"http://{_url_host(self.host)}:{self.http_port}/v2/health/{what}"
         try:
-            self._http(f"health/{what}")
-            return True
+            with urllib.request.urlopen(url, timeout=2.0):
+                return True
         except OSError:
             return False
 
@@ -328,56 +313,27 @@ class Server:
         while self.running() and not stop.wait(0.5):
             pass
 
-    def _drain(self, timeout: float) -> str | None:
-        """Unload every model: Triton refuses new requests for it at once and answers
-        those in flight; wait (``timeout``) until all are unloaded. Why not, or None."""
-        deadline = time.monotonic() + timeout
-        try:
-            index = self._http("repository/index", post=True)
-            loaded = [model["name"] for model in index if model.get("state") == "READY"]
-            for name in loaded:
-                self._http(
-                    f"repository/models/{urllib.parse.quote(name)}/unload",
-                    post=True,
-                    timeout=max(1.0, deadline - time.monotonic()),
-                )
-            while True:
-                index = self._http("repository/index", post=True)
-                left = [m["name"] for m in index if m.get("state") in ("READY", "UNLOADING")]
-                if not left:
-                    return None
-                if time.monotonic() > deadline:
-                    return f"requests to {', '.join(left)} were still running after {timeout:.0f} s"
-                time.sleep(0.1)
-        except (OSError, ValueError) as error:
-            return f"could not unload the models first: {error}"
-
     def stop(self, timeout: float = DRAIN_TIMEOUT_S) -> int | None:
-        """Stop taking requests, answer those in flight (within ``timeout``), stop
-        tritonserver, kill whatever is left of it and remove its shared memory. Its exit
-        code (0: a clean stop; else ``stop_problem`` says what went wrong)."""
+        """Refuse new requests (HTTP 503, gRPC UNAVAILABLE), answer those being computed
+        (within ``timeout``), end tritonserver and whatever it started, and remove its
+        shared memory. tritonserver's exit code where it had exited by itself, else 0
+        (``stop_problem`` says what went wrong, None after a clean stop)."""
         process, self._process = self._process, None
         code = None
-        problems = []
+        problems, left = [], []
         if process is not None:
             if process.poll() is None:
-                problem = self._drain(timeout)
-                if problem:
-                    problems.append(problem)
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(EXIT_TIMEOUT_S + KILL_AFTER_S)
-                except subprocess.TimeoutExpired:
-                    problems.append(
-                        f"it had not exited {EXIT_TIMEOUT_S + KILL_AFTER_S:.0f} s "
-                        "after SIGINT and was killed"
-                    )
-                    process.kill()
-                    process.wait()
-            code = process.returncode
+                if not stopping.refuse_and_drain(Path(self._workdir.name), timeout):
+                    problems.append(f"requests were still being computed after {timeout:.0f} s")
+                stopping.wait_sent({self.http_port, self.grpc_port}, SEND_TIMEOUT_S)
+                _end_group(process.pid)  # tritonserver and its stubs
+                # Killed here, unless it had exited by itself meanwhile.
+                code = 0 if process.wait() == -signal.SIGKILL else process.returncode
+            else:
+                code = process.returncode
+                left = _end_group(process.pid)  # a crashed tritonserver leaves its stubs
             if code:
                 problems.append(f"tritonserver exited with code {code}")
-            left = _end_group(process.pid)
             if left:
                 problems.append(f"killed {len(left)} process(es) it left running")
         self._remove_shared_memory()
