@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -521,6 +522,23 @@ def test_a_tritonserver_that_dies_leaves_no_stub_or_shared_memory_and_says_so(ne
     assert code == -signal.SIGKILL and "killed" in server.stop_problem
     assert not _group_members(pid)
     assert not [name for name in os.listdir("/dev/shm") if name.startswith(server._shm_prefix)]
+    assert all(_port_free(port) for port in (http, grpc, metrics))
+
+
+def test_a_stop_whose_work_folder_was_removed_still_ends_tritonserver(net_artifacts):
+    """A /tmp cleaner may remove the folder the stop signals through: the stop says it
+    could not drain, and still ends tritonserver and its stubs."""
+    from bladesmith.serve.server import _group_members
+
+    http, grpc, metrics = free_ports(3)
+    server = bladesmith.serve(
+        net_artifacts[".pt"], http_port=http, grpc_port=grpc, metrics_port=metrics, block=False
+    )
+    pid = server._process.pid
+    shutil.rmtree(server._workdir.name)
+    code = server.stop()
+    assert code == 0 and "could not drain" in server.stop_problem
+    assert not _group_members(pid)
     assert all(_port_free(port) for port in (http, grpc, metrics))
 
 

@@ -13,14 +13,17 @@ from bladesmith.serve import stopping
 def test_a_stop_waits_for_the_batch_being_computed_then_refuses_every_batch(tmp_path, monkeypatch):
     monkeypatch.setenv(stopping.ENVIRONMENT, stopping.environment(tmp_path)[stopping.ENVIRONMENT])
     admitted = stopping.admission()
+    other_instance = stopping.Gate(str(tmp_path)).admitted  # its own open file and lock
     with ThreadPoolExecutor(1) as pool:
         with admitted() as computing:
             assert computing
             stop = pool.submit(stopping.refuse_and_drain, tmp_path, 30)
             time.sleep(0.3)
             assert not stop.done()  # held up by the batch under way
-            with admitted() as another:  # given to another instance meanwhile
+            with other_instance() as another:  # given to another instance meanwhile
                 assert not another
+            time.sleep(0.3)
+            assert not stop.done()  # still held up: the other's refusal released nothing
         assert stop.result(timeout=5)
     with admitted() as later:
         assert not later

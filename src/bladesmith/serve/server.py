@@ -323,12 +323,19 @@ class Server:
         problems, left = [], []
         if process is not None:
             if process.poll() is None:
-                if not stopping.refuse_and_drain(Path(self._workdir.name), timeout):
-                    problems.append(f"requests were still being computed after {timeout:.0f} s")
-                stopping.wait_sent({self.http_port, self.grpc_port}, SEND_TIMEOUT_S)
-                _end_group(process.pid)  # tritonserver and its stubs
+                try:
+                    if not stopping.refuse_and_drain(Path(self._workdir.name), timeout):
+                        problems.append(f"requests were still being computed after {timeout:.0f} s")
+                    # Not a problem when it times out: clients still sending (and refused)
+                    # keep the connections busy to the end.
+                    stopping.wait_sent({self.http_port, self.grpc_port}, SEND_TIMEOUT_S)
+                except OSError as error:  # the work folder gone (a /tmp cleaner): end anyway
+                    problems.append(f"the stop could not drain ({error})")
+                exited = process.poll() is not None  # by itself, meanwhile (a crash)
+                left = _end_group(process.pid)  # tritonserver and its stubs
                 # Killed here, unless it had exited by itself meanwhile.
-                code = 0 if process.wait() == -signal.SIGKILL else process.returncode
+                returned = process.wait()
+                code, left = (returned, left) if exited else (0, [])
             else:
                 code = process.returncode
                 left = _end_group(process.pid)  # a crashed tritonserver leaves its stubs

@@ -23,7 +23,6 @@ computations under way.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import time
 from contextlib import contextmanager, nullcontext
@@ -34,7 +33,8 @@ _STOPPING = "stopping"
 _COMPUTING = "computing"
 _POLL_S = 0.02
 # Answers leave an instance through shared memory before Triton writes them out: nothing
-# unacknowledged for this long means none is still on its way.
+# unacknowledged for this long is taken to mean none is still on its way (a guess, not a
+# signal Triton gives; an answer Triton takes longer to hand over can be cut off).
 _QUIET_S = 0.5
 
 
@@ -47,6 +47,8 @@ def environment(folder: Path) -> dict[str, str]:
 def refuse_and_drain(folder: Path, timeout: float) -> bool:
     """Have every instance refuse what it is given from now on; whether the batches they
     were computing were done within ``timeout`` seconds."""
+    import fcntl  # POSIX only, as tritonserver: importing bladesmith.serve works anywhere
+
     (folder / _STOPPING).touch()
     deadline = time.monotonic() + timeout
     with open(folder / _COMPUTING) as computing:
@@ -100,6 +102,8 @@ class Gate:
     def admitted(self):
         """Yields whether to compute the batch (False: the server is stopping), holding
         the shared lock meanwhile."""
+        import fcntl
+
         try:
             fcntl.flock(self._computing, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:  # the server holds it: stopping
