@@ -1,6 +1,6 @@
 """multilevel_roi_align against torchvision's MultiScaleRoIAlign: each box pooled from its
 own level, on ordinary and adversarial boxes (outside the image, empty, at the edges), by
-the operator (CPU and CUDA kernels) and by the standard operations an ONNX export uses."""
+the operator's CPU and CUDA kernels and by its ONNX lowering in ONNX Runtime."""
 
 import pytest
 import torch
@@ -63,23 +63,15 @@ def pooled_both(batch: int, count: int, output: int, ratio: int, dtype=torch.flo
     return reference, ours, level_of
 
 
-@pytest.fixture(params=["operator", "onnx export"])
-def route(request, monkeypatch):
-    """The operator, or the standard operations taken while exporting to ONNX."""
-    if request.param == "onnx export":
-        monkeypatch.setattr(torch.onnx, "is_in_onnx_export", lambda: True)
-    return request.param
-
-
 @pytest.mark.parametrize("output, ratio", [(7, 2), (14, 2), (7, 1), (5, 3)])
-def test_equals_torchvision_on_every_level(output, ratio, route):
+def test_equals_torchvision_on_every_level(output, ratio):
     reference, ours, level_of = pooled_both(2, 300, output, ratio)
     assert set(level_of.tolist()) == {0, 1, 2, 3}  # every level has boxes
     assert ours.shape == reference.shape and ours.dtype == reference.dtype
     torch.testing.assert_close(ours, reference, rtol=0, atol=0)  # torchvision's arithmetic
 
 
-def test_channels_last_features_give_the_same(route):
+def test_channels_last_features_give_the_same():
     maps = features(1, 16)
     rois = boxes(1, 50)
     pooler = MultiScaleRoIAlign(NAMES, 7, 2)
@@ -142,13 +134,15 @@ def test_the_operator_passes_opcheck():
     torch.library.opcheck(ops._ops().multilevel_roi_align.default, operator_args(4))
 
 
-def test_a_box_that_names_no_image_of_the_table_pools_to_zero():
+def test_a_box_that_names_no_image_or_level_of_the_table_pools_to_zero():
     args = list(operator_args(4))
     args[1] = args[1].clone()
     args[1][:3, 0] = torch.tensor([2.0, -1.0, float("nan")])  # the table holds images 0 and 1
+    args[2] = args[2].clone()
+    args[2][3:5] = torch.tensor([-1, 4])  # and levels 0 to 3
     pooled = ops._ops().multilevel_roi_align(*args)
-    assert torch.equal(pooled[:3], torch.zeros_like(pooled[:3]))
-    assert pooled[3:].abs().sum() > 0
+    assert torch.equal(pooled[:5], torch.zeros_like(pooled[:5]))
+    assert pooled[5:].abs().sum() > 0
 
 
 @pytest.mark.parametrize(
@@ -158,6 +152,9 @@ def test_a_box_that_names_no_image_of_the_table_pools_to_zero():
         (lambda a: a.__setitem__(4, a[4][:-1]), "widths, scales: expected one per level"),
         (lambda a: a.__setitem__(2, a[2].int()), "level_of: expected dtype int64"),
         (lambda a: a.__setitem__(8, 0), "sampling_ratio: expected a positive ratio"),
+        (lambda a: a.__setitem__(slice(3, 5), [[2**32] * 4] * 2), "pixels overflow int64"),
+        (lambda a: a.__setitem__(3, [0, 1, 1, 1]), "heights, widths: expected positive"),
+        (lambda a: a.__setitem__(3, [1] * 17), "expected 1 to 16 levels"),
     ],
 )
 def test_the_kernel_and_the_fake_kernel_refuse_alike(change, message):
@@ -194,3 +191,31 @@ def test_the_cuda_kernel_replays_in_a_cuda_graph():
         found = ops._ops().multilevel_roi_align(*args)
     graph.replay()
     torch.testing.assert_close(found, expected, rtol=0, atol=0)
+
+
+class Pooling(torch.nn.Module):
+    """The operator as a saved .pt or .pt2 holds it: called on its own arguments."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.lists = args[3:]
+
+    def forward(self, table, rois, level_of):
+        return ops._ops().multilevel_roi_align(table, rois, level_of, *self.lists)
+
+
+@pytest.mark.parametrize("custom_ops", ["domain", "standard"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_saved_trace_of_the_operator_exports_to_onnx_with_its_floats(custom_ops, dtype, tmp_path):
+    import onnxruntime
+
+    from bladesmith.onnx import export
+
+    args = operator_args(8, dtype)
+    inputs = args[:3]
+    trace = torch.jit.trace(Pooling(args), inputs)
+    path = export(trace, inputs, tmp_path / "pool.onnx", custom_ops=custom_ops)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feed = {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs)}
+    (found,) = session.run(None, feed)
+    torch.testing.assert_close(torch.from_numpy(found), trace(*inputs), rtol=0, atol=0)

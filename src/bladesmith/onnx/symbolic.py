@@ -12,6 +12,9 @@ Two modes, registered with ``torch.onnx.register_custom_op_symbolic`` for one ex
   arithmetic, NonMaxSuppression, ScatterND) with the same fixed-shape outputs, so any
   ONNX Runtime provider and TensorRT can run the model; no If or Loop.
 
+``multilevel_roi_align`` is lowered to standard operations (Gather and arithmetic, in
+its kernels' order) in both modes.
+
 Class-aware NMS: ``retinanet_postprocess`` knows the number of classes and gives
 NonMaxSuppression one score plane per class, which is exactly torchvision's
 ``batched_nms`` (per-class NMS). A lone ``batched_nms`` cannot know it (labels are
@@ -523,22 +526,123 @@ def _postprocess_standard(
     )
 
 
+def _multilevel_roi_align(
+    g, table, rois, level_of, heights, widths, scales, pooled_height, pooled_width, grid
+):
+    """``multilevel_roi_align`` as standard operations in either mode: the arithmetic of
+    ``families/multilevel_roi_align._gathered``, operation by operation (each box's level
+    constants gathered by its level, its samples' four neighbours gathered from the table,
+    weighted and summed in torchvision's order), [N, h, w, C] in the table's dtype."""
+    (_, channels), dtype = _static_type(g, 0, table, "table")
+    (count, _), _ = _static_type(g, 1, rois, "rois")
+
+    def c(value, kind=torch.float32):
+        return _const(g, value, kind)
+
+    def per_box(values, kind=torch.float32):  # [N, 1]
+        return _unsqueeze(g, g.op("Gather", c(values, kind), level_of, axis_i=0), 1)
+
+    def stack(low, high):  # [..., 2]
+        return g.op("Concat", _unsqueeze(g, low, -1), _unsqueeze(g, high, -1), axis_i=-1)
+
+    def samples(start, end, bins):  # [N, bins * grid], as _samples
+        bin_size = g.op("Div", g.op("Max", g.op("Sub", end, start), c(1.0)), c(float(bins)))
+        bin_start = g.op("Add", start, g.op("Mul", c([list(map(float, range(bins)))]), bin_size))
+        offset = c([[[i + 0.5 for i in range(grid)]]])
+        step = g.op("Div", g.op("Mul", offset, _unsqueeze(g, bin_size, 2)), c(float(grid)))
+        positions = g.op("Add", _unsqueeze(g, bin_start, 2), step)
+        return g.op("Reshape", positions, c([count, bins * grid], torch.int64))
+
+    def neighbours(position, size):  # as _neighbours
+        inside = g.op(
+            "And",
+            g.op("GreaterOrEqual", position, c(-1.0)),
+            g.op("LessOrEqual", position, size),
+        )
+        position = g.op("Max", position, c(0.0))
+        low = g.op("Floor", position)
+        last = g.op("Sub", size, c(1.0))
+        at_edge = g.op("GreaterOrEqual", low, last)
+        low = g.op("Where", at_edge, last, low)
+        high = g.op("Where", at_edge, last, g.op("Add", low, c(1.0)))
+        fraction = g.op("Sub", g.op("Where", at_edge, low, position), low)
+        inside = g.op("Cast", inside, to_i=_onnx_type(torch.float32))
+        low_weight = g.op("Mul", g.op("Sub", c(1.0), fraction), inside)
+        as_int = [g.op("Cast", x, to_i=_onnx_type(torch.int64)) for x in (low, high)]
+        return (*as_int, low_weight, g.op("Mul", fraction, inside))
+
+    offsets = [0]
+    for height, width in zip(heights, widths):
+        offsets.append(offsets[-1] + height * width)
+    height, width = per_box([float(h) for h in heights]), per_box([float(w) for w in widths])
+    scale = per_box([float(x) for x in scales])
+    image = g.op("Cast", _slice(g, rois, 0, 1, 1), to_i=_onnx_type(torch.int64))
+    first_row = g.op(
+        "Add", per_box(offsets[:-1], torch.int64), g.op("Mul", image, c(offsets[-1], torch.int64))
+    )
+    x1, y1, x2, y2 = (g.op("Mul", _slice(g, rois, i, i + 1, 1), scale) for i in range(1, 5))
+    y_low, y_high, wy_low, wy_high = neighbours(samples(y1, y2, pooled_height), height)
+    x_low, x_high, wx_low, wx_high = neighbours(samples(x1, x2, pooled_width), width)
+    width_rows = _unsqueeze(g, g.op("Cast", width, to_i=_onnx_type(torch.int64)), 2)
+    row_y = g.op("Mul", stack(y_low, y_high), width_rows)  # [N, Y, 2]
+    index = g.op(
+        "Add",
+        g.op("Add", g.op("Reshape", first_row, c([count, 1, 1, 1, 1], torch.int64)),
+             g.op("Unsqueeze", row_y, c([3, 4], torch.int64))),
+        g.op("Unsqueeze", stack(x_low, x_high), c([1, 2], torch.int64)),
+    )  # fmt: skip
+    values = g.op("Gather", table, g.op("Reshape", index, c([-1], torch.int64)), axis_i=0)
+    values = _cast(g, values, torch.float32, dtype)
+    shape = [count, pooled_height, grid, 2, pooled_width, grid, 2, channels]
+    values = g.op("Reshape", values, c(shape, torch.int64))
+    weight_y = g.op(
+        "Reshape", stack(wy_low, wy_high), c([count, pooled_height, grid, 2, 1, 1], torch.int64)
+    )
+    weight_x = g.op(
+        "Reshape", stack(wx_low, wx_high), c([count, 1, pooled_width, grid, 2, 1], torch.int64)
+    )
+
+    def pick(x, *at):  # x[..., at[0], at[1], ...] on the axes given, each axis then dropped
+        for axis, index in at:
+            x = g.op("Gather", x, c(index, torch.int64), axis_i=axis)
+        return x
+
+    total = None
+    for iy in range(grid):
+        for ix in range(grid):
+            sample = None
+            for y, x in ((0, 0), (0, 1), (1, 0), (1, 1)):
+                weight = g.op(
+                    "Mul", pick(weight_y, (2, iy), (2, y)), pick(weight_x, (3, ix), (3, x))
+                )
+                term = g.op("Mul", weight, pick(values, (2, iy), (2, y), (3, ix), (3, x)))
+                sample = term if sample is None else g.op("Add", sample, term)
+            total = sample if total is None else g.op("Add", total, sample)
+    pooled = g.op("Div", total, c(float(grid * grid)))
+    return _cast(g, pooled, dtype, torch.float32)
+
+
 # ----------------------------------------------------------------------- registration
 
 _DECODE_ARGS = ("v", "v", "v", "is", "v", "f", "i", "fs", "f")
 _NMS_ARGS = ("v", "v", "v", "f", "i")
 _POSTPROCESS_ARGS = ("v", "v", "v", "is", "v", "f", "i", "f", "i", "fs", "f")
+_POOL_ARGS = ("v", "v", "v", "is", "is", "fs", "i", "i", "i")
 
 _SYMBOLICS = {
     "domain": {
         "retinanet_decode": (_decode_domain, _DECODE_ARGS),
         "batched_nms": (_nms_domain, _NMS_ARGS),
         "retinanet_postprocess": (_postprocess_domain, _POSTPROCESS_ARGS),
+        # Standard operations in this mode too: ONNX Runtime's own kernels pool faster
+        # than a Python operator would.
+        "multilevel_roi_align": (_multilevel_roi_align, _POOL_ARGS),
     },
     "standard": {
         "retinanet_decode": (_decode_standard, _DECODE_ARGS),
         "batched_nms": (_batched_nms_standard, _NMS_ARGS),
         "retinanet_postprocess": (_postprocess_standard, _POSTPROCESS_ARGS),
+        "multilevel_roi_align": (_multilevel_roi_align, _POOL_ARGS),
     },
 }
 

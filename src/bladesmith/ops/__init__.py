@@ -31,6 +31,7 @@ __all__ = [
     "exporting",
     "library_path",
     "load_library",
+    "multilevel_roi_align",
     "retinanet_decode",
     "retinanet_postprocess",
     "roi_align",

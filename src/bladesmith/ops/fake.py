@@ -17,7 +17,7 @@ from bladesmith.ops import BBOX_CLIP
 from bladesmith.verify import dtype_name
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_MAX_LEVELS = 16  # roi::kMaxLevels (csrc/roi_align_math.h)
+_MAX_LEVELS = 16  # kMaxLevels (csrc/roi_align_math.h)
 
 
 def _check_rank(t: torch.Tensor, name: str, rank: int, layout: str) -> None:
@@ -267,6 +267,11 @@ def check_multilevel_roi_align_inputs(
             f"heights, widths: expected positive sizes, got {list(heights)} and {list(widths)}"
         )
     rows = sum(h * w for h, w in zip(heights, widths))
+    if max(h * w for h, w in zip(heights, widths)) >= 2**63 or rows >= 2**63:
+        raise ValueError(
+            f"heights, widths: the levels' pixels overflow int64, got {list(heights)} and "
+            f"{list(widths)}"
+        )
     if table.shape[0] % rows != 0:
         raise ValueError(
             f"table: expected rows in whole images of {rows} (the levels' pixels), got "

@@ -16,6 +16,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <c10/util/safe_numerics.h>
 
 #include <algorithm>
 #include <cmath>
@@ -233,8 +234,8 @@ inline roi::Levels check_multilevel_roi_align_inputs(
   check_dtype(level_of, "level_of", at::kLong);
   check_same_device(level_of, "level_of", table, "table");
   const auto count = static_cast<int64_t>(heights.size());
-  BLADESMITH_CHECK_VALUE(count >= 1 && count <= roi::kMaxLevels,
-                         "heights: expected 1 to ", roi::kMaxLevels, " levels, got ", count);
+  BLADESMITH_CHECK_VALUE(count >= 1 && count <= kMaxLevels,
+                         "heights: expected 1 to ", kMaxLevels, " levels, got ", count);
   BLADESMITH_CHECK_VALUE(static_cast<int64_t>(widths.size()) == count &&
                              static_cast<int64_t>(scales.size()) == count,
                          "widths, scales: expected one per level (", count, "), got ",
@@ -255,7 +256,12 @@ inline roi::Levels check_multilevel_roi_align_inputs(
     levels.width[l] = widths[l];
     levels.offset[l] = levels.rows_per_image;
     levels.scale[l] = static_cast<float>(scales[l]);
-    levels.rows_per_image += heights[l] * widths[l];
+    int64_t pixels = 0;
+    BLADESMITH_CHECK_VALUE(!c10::mul_overflows(heights[l], widths[l], &pixels) &&
+                               !c10::add_overflows(levels.rows_per_image, pixels,
+                                                   &levels.rows_per_image),
+                           "heights, widths: the levels' pixels overflow int64, got ", heights,
+                           " and ", widths);
   }
   BLADESMITH_CHECK_VALUE(table.size(0) % levels.rows_per_image == 0, "table: expected rows in ",
                          "whole images of ", levels.rows_per_image, " (the levels' pixels), got ",

@@ -3,7 +3,9 @@
 // a channels-last table that holds every level's pixels, image by image. Each operation
 // rounds on its own as torchvision's float kernel does (the CPU build has
 // -ffp-contract=off; device code uses the __f*_rn intrinsics, never contracted into fused
-// multiply-adds), so both kernels give torchvision's floats.
+// multiply-adds), so both kernels give torchvision's floats on finite features (a sample
+// outside the map reads 0 here, where torchvision's CPU kernel adds 0 times pixel (0, 0),
+// NaN if that pixel is not finite).
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -11,9 +13,12 @@
 #include <cstdint>
 
 namespace bladesmith {
-namespace roi {
 
+// Level tables travel as kernel parameters (no host copies, so a CUDA graph holds every
+// launch): at most this many levels, in every operator that takes them.
 constexpr int kMaxLevels = 16;
+
+namespace roi {
 
 // The table's layout: level l's pixel (y, x) of image b is row
 // b * rows_per_image + offset[l] + y * width[l] + x. Passed by value to a kernel.

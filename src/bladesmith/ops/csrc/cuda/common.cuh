@@ -14,11 +14,10 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../roi_align_math.h"  // kMaxLevels
+
 namespace bladesmith {
 namespace gpu {
-
-// Level tables travel as kernel parameters, which keeps every launch free of host copies.
-constexpr int kMaxLevels = 16;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
