@@ -51,6 +51,15 @@ TORCH_LIBRARY_IMPL(checked_ops, CPU, m) { m.impl("scale_add", scale_add); }
 at::Tensor halve(const at::Tensor& x) { return x / 2; }
 TORCH_LIBRARY_IMPL(checked_ops, CUDA, m) { m.impl("halve", halve); }
 """,
+    # Kernels for checked_ops whose loading kills the process where CRASH_ON_LOAD is set
+    # (not in the build, which loads what it built).
+    "crashing_ops": "#include <cstdlib>\n"
+    + _HEADER
+    + r"""
+static const int crash = std::getenv("CRASH_ON_LOAD") ? (std::abort(), 0) : 0;
+at::Tensor halve(const at::Tensor& x) { return x / 2 + crash; }
+TORCH_LIBRARY_IMPL(checked_ops, CUDA, m) { m.impl("halve", halve); }
+""",
     # Another namespace, with a CUDA kernel only.
     "gpu_only_ops": _HEADER
     + r"""
@@ -142,6 +151,24 @@ def test_stripped_libraries_of_one_namespace_are_refused_and_kernels_for_it_load
     kernels = [str(stripped["checked_ops"]), str(stripped["checked_ops_cuda"])]
     loaded = _run("-c", script, *kernels, cwd=tmp_path)
     assert loaded.returncode == 0, loaded.stderr
+
+
+def test_a_stripped_library_whose_trial_load_dies_is_refused_in_one_line(
+    built, tmp_path, monkeypatch
+):
+    """What the child process that tries a stripped library says when it dies of
+    something else than a second definition: loading it here could end this process."""
+    if shutil.which("strip") is None:
+        pytest.skip("needs binutils' strip")
+    stripped = Path(shutil.copy(built["crashing_ops"], tmp_path / "stripped_crashing_ops.so"))
+    subprocess.run(["strip", "--strip-all", str(stripped)], check=True)
+    monkeypatch.setenv("CRASH_ON_LOAD", "1")
+    flags = ["--load-library", str(built["checked_ops"]), "--load-library", str(stripped)]
+    error = _one_line_error(
+        _run("-m", "bladesmith", "optimize", str(built["model"]), *flags, *SIZE, cwd=tmp_path)
+    )
+    assert f"--load-library {stripped}: loading it in a separate process killed" in error
+    assert "signal 6" in error and "check the library" in error
 
 
 def test_two_builds_of_one_namespace_are_refused_before_the_second_loads(built, tmp_path):

@@ -117,7 +117,7 @@ def _check_namespaces(path: Path, source: str) -> None:
         taken = [namespace for namespace in sorted(defined) if _defined_here(namespace)]
     else:
         named = sorted(filter(_defined_here, _named_in(path, _user_namespaces())))
-        taken = _redefined_by_loading(path, named) if named else []
+        taken = _redefined_by_loading(path, named, source) if named else []
     if taken:
         raise BladesmithError(
             f"{source} {path}: it defines the operator namespace {taken[0]} "
@@ -158,19 +158,37 @@ for namespace in sys.argv[2:]:
 torch.ops.load_library(sys.argv[1])
 """
 _REDEFINED = re.compile(r"register the namespace (\w+)")
+_TRIAL_TIMEOUT_S = 120
 
 
-def _redefined_by_loading(path: Path, namespaces: list[str]) -> list[str]:
+def _redefined_by_loading(path: Path, namespaces: list[str], source: str) -> list[str]:
     """Those of ``namespaces`` (defined here) that loading ``path`` defines again, tried
-    in a child process; any of them when that process aborts for another reason, which
-    this one would too."""
-    trial = subprocess.run(
-        [sys.executable, "-c", _TRIAL, str(path), *namespaces], capture_output=True, text=True
-    )
+    in a child process. A child that hangs or dies otherwise says nothing of them, but
+    loading the library here could do the same: refused in one line."""
+    try:
+        trial = subprocess.run(
+            [sys.executable, "-c", _TRIAL, str(path), *namespaces],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            stdin=subprocess.DEVNULL,
+            timeout=_TRIAL_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise BladesmithError(
+            f"{source} {path}: loading it in a separate process took over "
+            f"{_TRIAL_TIMEOUT_S} s (its static initialisers hang?): check the library"
+        ) from None
     if trial.returncode >= 0:  # loaded, or an error that load_library raises here too
         return []
     match = _REDEFINED.search(trial.stderr)
-    return [match.group(1)] if match else namespaces
+    if match and match.group(1) in namespaces:
+        return [match.group(1)]
+    last = (trial.stderr.strip().splitlines() or ["no message"])[-1]
+    raise BladesmithError(
+        f"{source} {path}: loading it in a separate process killed that process (signal "
+        f"{-trial.returncode}: {last}); loaded here it could end this one: check the library"
+    )
 
 
 def _definer(namespace: str) -> str:
