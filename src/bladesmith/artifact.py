@@ -197,7 +197,9 @@ def _traced_inputs(trace, module, args: tuple) -> dict:
     why = "traced at these sizes" + (
         ", and checked at other batches" if free else "; at another batch it answers otherwise"
     )
-    return {"free_batch": free, "why": why}
+    # One that keeps its batch holds only that: optimize verified it, and save checks
+    # it, at every size of the test data, which the spec (the first) does not list.
+    return {"free_batch": free, "why": why, "batch_only": not free}
 
 
 def _all_on(device: torch.device, tree) -> bool:
