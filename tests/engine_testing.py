@@ -6,8 +6,11 @@ GPU-only tests, and a user's operator library (its source; tests/conftest.py bui
 from __future__ import annotations
 
 import copy
+import functools
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,30 +166,32 @@ run(torch.randn(1, 3, 16, 16, device=sys.argv[2]))
 """
 
 
-def torch_package_problem(device: str, folder) -> str | None:
+@functools.cache
+def torch_package_problem(device: str) -> str | None:
     """Why a package torch alone makes (a small conv net, no bladesmith) does not load
     and run in a new process on ``device``, or None when it does: a machine whose torch
-    cannot load its own AOTInductor packages cannot load bladesmith's either."""
+    cannot load its own AOTInductor packages cannot load bladesmith's either. Found
+    once per device and test run."""
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).to(device).eval()
     x = torch.randn(1, 3, 16, 16, device=device)
-    path = folder / "torch-only.pt2"
-    exported = torch.export.export(model, (x,), strict=False)
-    torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
-    done = subprocess.run(
-        [sys.executable, "-c", _TORCH_ONLY, str(path), device],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "torch-only.pt2"
+        exported = torch.export.export(model, (x,), strict=False)
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+        command = [sys.executable, "-c", _TORCH_ONLY, str(path), device]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            return "no answer within 600 s"
     if done.returncode == 0:
         return None
     last = (done.stderr.strip().splitlines() or [""])[-1]
     return f"exit {done.returncode} {last}".strip()
 
 
-def skip_where_torch_cannot_load_its_packages(device: str, folder) -> None:
+def skip_where_torch_cannot_load_its_packages(device: str) -> None:
     """Skip a test of a ``.pt2`` on ``device`` where torch cannot load its own packages
     (torch 2.11 on the H200: the README's known limits): bladesmith's save refuses there."""
-    problem = torch_package_problem(device, folder)
+    problem = torch_package_problem(device)
     if problem:
         pytest.skip(f"torch's own AOTInductor packages do not load here: {problem}")

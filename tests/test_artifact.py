@@ -211,7 +211,7 @@ def test_aoti_detector_round_trip_on_gpu(tmp_path):
         model, device="cuda", test_data=[(photos,)], config=QUICK
     )
     assert ".pt2" in spec.untried_formats
-    skip_where_torch_cannot_load_its_packages("cuda", tmp_path)
+    skip_where_torch_cannot_load_its_packages("cuda")
     loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "detector.pt2"))
     # AOTInductor compiles its own kernels (TF32 convolutions in float32): scores agree
     # within the detection tolerance of the network's dtype, not bit for bit.

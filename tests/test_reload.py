@@ -61,10 +61,10 @@ def reload_in_new_process(path, args: tuple, expected, tmp_path, rtol=1e-4, atol
     return done.stdout
 
 
-def test_torch_loads_its_own_package_in_a_new_process_on_the_cpu(tmp_path):
+def test_torch_loads_its_own_package_in_a_new_process_on_the_cpu():
     """The check the GPU test skips on finds nothing wrong where torch is sound: a
     broken check would skip the GPU test everywhere, silently."""
-    assert torch_package_problem("cpu", tmp_path) is None
+    assert torch_package_problem("cpu") is None
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_every_gpu_format_loads_in_a_new_process(suffix, gpu_detector, tmp_path)
     if suffix not in formats:
         pytest.skip(f"{suffix} is not a save format of this result ({formats})")
     if suffix == ".pt2":
-        skip_where_torch_cannot_load_its_packages("cuda", tmp_path)
+        skip_where_torch_cannot_load_its_packages("cuda")
     path = bladesmith.save(optimized, tmp_path / f"detector{suffix}")
     with torch.no_grad():
         expected = optimized(photos)

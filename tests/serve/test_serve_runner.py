@@ -297,7 +297,7 @@ def test_on_a_gpu_each_runner_replays_its_own_cuda_graph(tmp_path):
     optimized, _, _ = bladesmith.optimize(
         tiny_net().cuda(), device="cuda", test_data=[(x,)], config=QUICK, passes=[]
     )
-    skip_where_torch_cannot_load_its_packages("cuda", tmp_path)
+    skip_where_torch_cannot_load_its_packages("cuda")
     loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt2"))
     first, second = BucketRunner(loaded), BucketRunner(loaded)
     assert isinstance(first.run, CudaGraphRunner) and first.run is not second.run

@@ -66,7 +66,7 @@ class BuiltFor:
             return None
         return (
             f"got {_describe(got)}, but it runs {self.describe()} only ({self.why}): "
-            "pass inputs like those, or optimize with test data like yours and save again"
+            "pass inputs like those, or optimize again with test data like yours"
         )
 
     def describe(self) -> str:
