@@ -350,19 +350,31 @@ def custom_operators(view: GraphView, target: Target) -> list[Finding]:
         if (node.domain, node.op_type) in users
         else _bladesmiths_kernel(view, node, target)
         if (node.domain, node.op_type) in _BLADESMITH_NODES
-        else Finding(
-            rule=CUSTOM_RULE,
-            severity="warning",
-            target=target.name,
-            node=view.label(node),
-            message=f"{node.domain}::{node.op_type} is a custom operator; "
-            f"{target.title} runs it only with a registered implementation",
-            hint=_library_hint(node.domain, target),
-            source=operator_list(target.kernel_source).source,
-        )
+        else _registered_kernel(view, node, target)
         for node in view.all_nodes()
         if _normal_domain(node.domain) not in known
     ]
+
+
+def _custom_finding(view: GraphView, node, target: Target, severity: str, **text) -> Finding:
+    """A finding of ``CUSTOM_RULE`` on ``node``; ``text``: its message, hint and source."""
+    return Finding(
+        rule=CUSTOM_RULE, severity=severity, target=target.name, node=view.label(node), **text
+    )
+
+
+def _registered_kernel(view: GraphView, node, target: Target) -> Finding:
+    """Any other custom node: the target runs it with an implementation registered."""
+    return _custom_finding(
+        view,
+        node,
+        target,
+        "warning",
+        message=f"{node.domain}::{node.op_type} is a custom operator; "
+        f"{target.title} runs it only with a registered implementation",
+        hint=_library_hint(node.domain, target),
+        source=operator_list(target.kernel_source).source,
+    )
 
 
 _BLADESMITH_NODES = frozenset((custom_nodes.DOMAIN, t) for t in custom_nodes.OP_TYPES.values())
@@ -382,11 +394,11 @@ def _library_hint(domain: str, target: Target) -> str:
 def _bladesmiths_kernel(view: GraphView, node, target: Target) -> Finding:
     """A node of bladesmith's own operators (``custom_ops="domain"``): onnxruntime-extensions'
     library does not have it; bladesmith.onnx.session registers its kernel there first."""
-    return Finding(
-        rule=CUSTOM_RULE,
-        severity="warning",
-        target=target.name,
-        node=view.label(node),
+    return _custom_finding(
+        view,
+        node,
+        target,
+        "warning",
         message=f"{node.domain}::{node.op_type} is bladesmith's operator (custom_ops='domain'), "
         "which only bladesmith.onnx.session runs (its CPU kernel, registered with "
         f"onnxruntime-extensions), not {target.title} alone",
@@ -408,11 +420,11 @@ def _users_kernel(view: GraphView, node, target: Target, entry: dict) -> Finding
         else f"the ort_impl registered for {operator}, which {target.title} has only inside "
         "bladesmith.onnx.session after that register_op call"
     )
-    return Finding(
-        rule=CUSTOM_RULE,
-        severity="error",
-        target=target.name,
-        node=view.label(node),
+    return _custom_finding(
+        view,
+        node,
+        target,
+        "error",
         message=f"{node.domain}::{node.op_type} runs {code}",
         hint=f'for ONNX Runtime alone, export it as standard ONNX: register_op("{operator}", '
         "onnxscript=...) and custom_ops='standard'",
