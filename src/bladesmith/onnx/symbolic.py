@@ -530,9 +530,10 @@ def _multilevel_roi_align(
     g, table, rois, level_of, heights, widths, scales, pooled_height, pooled_width, grid
 ):
     """``multilevel_roi_align`` as standard operations in either mode: the arithmetic of
-    ``families/multilevel_roi_align._gathered``, operation by operation (each box's level
+    its kernels (``csrc/roi_align_math.h``), operation by operation (each box's level
     constants gathered by its level, its samples' four neighbours gathered from the table,
-    weighted and summed in torchvision's order), [N, h, w, C] in the table's dtype."""
+    weighted and summed in torchvision's order), [N, h, w, C] in the table's dtype. Boxes
+    must name levels and images of the table (the kernels pool others to 0)."""
     (_, channels), dtype = _static_type(g, 0, table, "table")
     (count, _), _ = _static_type(g, 1, rois, "rois")
 
@@ -545,7 +546,7 @@ def _multilevel_roi_align(
     def stack(low, high):  # [..., 2]
         return g.op("Concat", _unsqueeze(g, low, -1), _unsqueeze(g, high, -1), axis_i=-1)
 
-    def samples(start, end, bins):  # [N, bins * grid], as _samples
+    def samples(start, end, bins):  # [N, bins * grid]: roi::sample_at of each bin
         bin_size = g.op("Div", g.op("Max", g.op("Sub", end, start), c(1.0)), c(float(bins)))
         bin_start = g.op("Add", start, g.op("Mul", c([list(map(float, range(bins)))]), bin_size))
         offset = c([[[i + 0.5 for i in range(grid)]]])
@@ -553,7 +554,7 @@ def _multilevel_roi_align(
         positions = g.op("Add", _unsqueeze(g, bin_start, 2), step)
         return g.op("Reshape", positions, c([count, bins * grid], torch.int64))
 
-    def neighbours(position, size):  # as _neighbours
+    def neighbours(position, size):  # roi::bilinear's, weights 0 outside
         inside = g.op(
             "And",
             g.op("GreaterOrEqual", position, c(-1.0)),
