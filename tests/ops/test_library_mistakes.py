@@ -153,6 +153,26 @@ def test_stripped_libraries_of_one_namespace_are_refused_and_kernels_for_it_load
     assert loaded.returncode == 0, loaded.stderr
 
 
+def test_a_stripped_library_of_kernels_alone_is_not_blamed_for_a_definition(
+    built, tmp_path, tmp_path_factory
+):
+    """A stripped library names the namespace it adds kernels to as one that defines it
+    does: the refusal names the library that registered the schemas (its source file,
+    which TORCH_LIBRARY compiles in), though the kernels' library is listed first."""
+    if shutil.which("strip") is None:
+        pytest.skip("needs binutils' strip")
+    kernels = tmp_path_factory.mktemp("kernels") / "checked_ops_cuda.so"  # sorts first
+    shutil.copy(built["checked_ops_cuda"], kernels)
+    subprocess.run(["strip", "--strip-all", str(kernels)], check=True)
+    assert str(kernels) < str(built["checked_ops"])
+    flags = [kernels, built["checked_ops"], built["checked_ops_v2"]]
+    flags = [part for path in flags for part in ("--load-library", str(path))]
+    error = _one_line_error(
+        _run("-m", "bladesmith", "optimize", str(built["model"]), *flags, *SIZE, cwd=tmp_path)
+    )
+    assert f"which {built['checked_ops']} defines too" in error
+
+
 def test_a_stripped_library_whose_trial_load_dies_is_refused_in_one_line(
     built, tmp_path, monkeypatch
 ):

@@ -27,32 +27,8 @@ import torch
 
 from bladesmith._files import write_atomically
 from bladesmith.errors import BladesmithError
+from bladesmith.ops.namespaces import is_builtin
 
-# Namespaces that come with torch, torchvision and bladesmith: never the user's.
-_BUILTIN_NAMESPACES = frozenset(
-    {
-        "aten",
-        "prim",
-        "prims",
-        "onnx",
-        "quantized",
-        "_quantized",
-        "mkldnn",
-        "mkl",
-        "cudnn",
-        "profiler",
-        "debugprims",
-        "rngprims",
-        "higher_order",
-        "inductor",
-        "c10d",
-        "_c10d_functional",
-        "_dtensor",
-        "torchvision",
-        "image",
-        "bladesmith",
-    }
-)
 LIBRARY_FLAG = "--load-library"
 # Where a saved artifact's libraries go: a folder beside it, "<artifact>.libs".
 _FOLDER_SUFFIX = ".libs"
@@ -142,7 +118,7 @@ def _user_namespaces() -> set[str]:
     """The namespaces of the operators registered in this process, torch's and
     bladesmith's own left out."""
     names = torch._C._dispatch_get_all_op_names()
-    return {name.partition("::")[0] for name in names} - _BUILTIN_NAMESPACES
+    return {space for space in {name.partition("::")[0] for name in names} if not is_builtin(space)}
 
 
 # A child process that loads a library (argv[1]) where the namespaces after it are
@@ -193,24 +169,42 @@ def _redefined_by_loading(path: Path, namespaces: list[str], source: str) -> lis
 
 def _definer(namespace: str) -> str:
     """What defines ``namespace`` in this process, as the refusal says it."""
+    sources = _schema_sources(namespace)
     for loaded in sorted(torch.ops.loaded_libraries):
         defined = defined_namespaces(loaded)
-        if defined is None:  # stripped: the names it holds
-            defined = _named_in(Path(loaded), {namespace})
+        if defined is None:  # stripped: the source file of the schemas, else the names
+            defined = {namespace} if _named_in(Path(loaded), sources or {namespace}) else ()
         if namespace in defined:
             return f"{loaded} defines too and is loaded already"
     return "this process defines already (a library loaded otherwise, or torch.library)"
 
 
-def _named_in(path: Path, namespaces: Iterable[str]) -> set[str]:
-    """Those of ``namespaces`` that ``path``'s bytes hold as C strings (one may end
-    another: the linker keeps "ops" as the tail of "my_ops"); none from a file that cannot
-    be read (``torch.ops.load_library`` says why)."""
+_DEFINED_AT = re.compile(r"^debug: registered at (\S+):\d+$", re.MULTILINE)
+
+
+def _schema_sources(namespace: str) -> set[str]:
+    """The source files that registered the schemas of ``namespace``, as the dispatcher
+    records them: TORCH_LIBRARY compiles its ``__FILE__`` into the library, where strip
+    leaves it, and a library of kernels alone for the namespace holds another."""
+    prefix = f"{namespace}::"
+    return {
+        match.group(1)
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith(prefix)
+        for match in [_DEFINED_AT.search(torch._C._dispatch_dump(name))]
+        if match is not None
+    }
+
+
+def _named_in(path: Path, strings: Iterable[str]) -> set[str]:
+    """Those of ``strings`` (namespaces, source files) that ``path``'s bytes hold as C
+    strings (one may end another: the linker keeps "ops" as the tail of "my_ops"); none
+    from a file that cannot be read (``torch.ops.load_library`` says why)."""
     try:
         data = path.read_bytes()
     except OSError:
         return set()
-    return {namespace for namespace in namespaces if namespace.encode() + b"\0" in data}
+    return {string for string in strings if string.encode() + b"\0" in data}
 
 
 # TORCH_LIBRARY(ns, m) defines a static object TORCH_LIBRARY_static_init_<ns>; its
@@ -253,7 +247,7 @@ def load_all(paths: Iterable[str | os.PathLike]) -> list[Path]:
 
 def is_user_operator(name: str) -> bool:
     namespace, _, _ = name.partition("::")
-    return "::" in name and namespace not in _BUILTIN_NAMESPACES
+    return "::" in name and not is_builtin(namespace)
 
 
 def operators_called(module, example_args: tuple | None = None) -> set[str]:
@@ -454,7 +448,7 @@ def _loaded_instead(operator: str) -> str:
     namespace, _, name = operator.partition("::")
     notes = []
     for loaded in sorted(torch.ops.loaded_libraries):
-        defined = (defined_namespaces(loaded) or frozenset()) - _BUILTIN_NAMESPACES
+        defined = {each for each in defined_namespaces(loaded) or () if not is_builtin(each)}
         if namespace in defined:
             notes.append(f"{Path(loaded).name} defines {namespace} without {name}")
         elif defined:

@@ -34,6 +34,7 @@ from bladesmith._files import write_atomically
 from bladesmith.errors import BladesmithError, NotAnArtifactError
 from bladesmith.onnx import custom_nodes
 from bladesmith.ops import libraries as operator_libraries
+from bladesmith.ops.namespaces import registered_from_python_only
 from bladesmith.serve.signature import NUMPY_DTYPES, TRITON_DTYPES, Signature, TensorSpec
 from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 
@@ -310,8 +311,9 @@ _OPERATOR_CALL = re.compile(rb"\bops\.(\w+)\.(\w+)")
 
 
 def custom_operators(artifact: Path) -> set[str]:
-    """The custom operators a TorchScript file calls, bladesmith's and the user's
-    (``ops.NAMESPACE.NAME`` in its code), as ``NAMESPACE::NAME``."""
+    """The custom operators a TorchScript file calls, bladesmith's, the user's and those
+    torch registers from Python only (``ops.NAMESPACE.NAME`` in its code), as
+    ``NAMESPACE::NAME``."""
     with zipfile.ZipFile(artifact) as archive:
         code = [
             archive.read(entry)
@@ -323,7 +325,13 @@ def custom_operators(artifact: Path) -> set[str]:
         for text in code
         for namespace, name in _OPERATOR_CALL.findall(text)
     }
-    return {op for op in called if _is_bladesmiths(op) or operator_libraries.is_user_operator(op)}
+    return {
+        op
+        for op in called
+        if _is_bladesmiths(op)
+        or operator_libraries.is_user_operator(op)
+        or registered_from_python_only(op.partition("::")[0])
+    }
 
 
 def _is_bladesmiths(operator: str) -> bool:
@@ -334,6 +342,13 @@ def _libraries_defining(operators, artifact: Path) -> list:
     """The loaded libraries that define the user's ``operators``; one line for an operator
     that none does (registered from Python: Triton cannot preload it)."""
     users = {op for op in operators if not _is_bladesmiths(op)}
+    torchs = sorted(op for op in users if registered_from_python_only(op.partition("::")[0]))
+    if torchs:
+        raise BladesmithError(
+            f"export triton: {artifact.name} calls {', '.join(torchs)}, which torch registers "
+            "from Python only: Triton's libtorch backend runs without Python and lacks it; "
+            "use --backend python"
+        )
     found = operator_libraries.libraries_of(users)
     unfound = sorted(users.difference(*(library.operators for library in found)))
     if unfound:
