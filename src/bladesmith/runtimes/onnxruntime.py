@@ -130,6 +130,7 @@ def export_for_any_batch(
         follows = follows_the_batch(runner, module, args)
     if follows:
         return output_spec, none_outputs, runner
+    del runner  # its session's memory (a whole model's weights) before exporting again
     with step("exporting to ONNX, shapes fixed"):
         output_spec, none_outputs = export_onnx(module, args, path, dynamic_batch=False)
     return output_spec, none_outputs, None
