@@ -547,6 +547,20 @@ def _mask_rcnn_answer(detections: int, size: tuple[int, int], padding: int = 0) 
     }
 
 
+def test_the_client_gives_each_image_its_detections_without_their_padding():
+    client = _client([-1, 3, 4, 5])
+    answer = _mask_rcnn_answer(detections=3, size=(4, 5), padding=7)
+    client.infer = lambda images: {
+        name: value.repeat(len(images), 0) for name, value in answer.items()
+    }
+    got = client([np.zeros((3, 4, 5), np.float32)] * 2)
+    assert [set(image) for image in got] == [{"boxes", "scores", "labels", "masks"}] * 2
+    masks = got[1]["masks"]
+    assert masks.shape == (3, 1, 4, 5)
+    # Its own memory: a view of the padded masks would hold all ten rows.
+    assert masks.untyped_storage().nbytes() == masks.nbytes
+
+
 def _keep(answer: dict, indices: list[int]) -> dict:
     """A padded detector answer (one row) with only the detections at ``indices``."""
     kept = {"num_detections": np.full_like(answer["num_detections"], len(indices))}
