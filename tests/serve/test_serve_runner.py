@@ -428,7 +428,7 @@ def test_loadtest_asks_each_row_from_other_slots_in_every_bucket_size():
         sizes.append(len(x))
         return {"row": x.copy()}
 
-    client = SimpleNamespace(detections=True, max_batch=8, infer=infer)
+    client = SimpleNamespace(detections=True, max_batch=8, infer=infer, compute_dtype=None)
     inputs = [[np.full((1, 2), i, np.float32)] for i in range(10)]
     variants = _slot_variants(client, inputs)
     # Full batches in order and reversed, then batches of 2 and of 4 in order.
@@ -461,6 +461,104 @@ def test_loadtest_judges_a_mask_rcnns_masks_and_counts_a_wrong_mask_as_wrong(mas
     # An output nothing can compare is not passed unseen.
     depth = dict(first, depth=np.zeros_like(first["scores"]))
     assert not comparison(None)(depth, depth)
+
+
+def test_the_load_test_keeps_answers_compact_and_judges_them_as_the_answers_themselves(
+    mask_artifact,
+):
+    from bladesmith.serve.answers import _detections, compact
+    from bladesmith.serve.loadtest import _Job, _judged
+    from bladesmith.verify import compare_detections
+
+    path, photos = mask_artifact
+    runner = BucketRunner(bladesmith.load(path))
+    first, second = runner.answer([[photos[0][None].numpy()], [photos[1][None].numpy()]])
+    masks = first["masks"]
+    band = 5e-3  # float32's score tolerance: the band the mask measure is given
+    near = np.abs(masks - 0.5) <= band
+    assert near.sum() > 10
+    swapped = masks.copy()
+    swapped[:, [0, 1]] = masks[:, [1, 0]]
+    broken = masks.copy()
+    broken[0, 0, 0, 0, :2] = [np.nan, np.inf]
+    answers = [
+        first,
+        dict(first, masks=masks + np.float32(4e-3)),  # far pixels into the band and out
+        dict(first, masks=np.where(near, 1 - masks, masks)),  # the band's pixels across 0.5
+        dict(first, masks=masks - np.float32(0.02)),  # pixels out of the band across 0.5
+        dict(first, masks=swapped),
+        dict(first, masks=broken),
+        second,
+        None,
+    ]
+
+    def judged(kept) -> list[tuple]:
+        references = [kept(first), kept(second)]
+        job = _Job("", "", 2, 0, None, references, [[], []], None)
+        return _judged(job, [(0, answer and kept(answer), 0.0, 1.0) for answer in answers])
+
+    as_they_are = judged(lambda answer: answer)
+    assert judged(lambda answer: compact(answer, None)) == as_they_are
+    outcomes = [outcome for outcome, *_ in as_they_are]
+    assert outcomes == ["answered"] * 4 + ["wrong", "wrong", "mixed up", "failed"]
+    # Each mask's deviation itself, not only the verdict.
+    for answer in answers[:-1]:
+        whole = compare_detections(_detections(first), _detections(answer))
+        kept = compare_detections(
+            _detections(compact(first, None)), _detections(compact(answer, None))
+        )
+        assert kept.fields["masks"].deviation == whole.fields["masks"].deviation
+        assert (kept.passed, kept.f1) == (whole.passed, whole.f1)
+
+
+def test_a_mask_rcnns_answer_is_kept_in_a_twentieth_of_its_padded_masks():
+    from bladesmith.serve.answers import compact
+
+    answer = _mask_rcnn_answer(detections=100, size=(480, 640))
+    padded = answer["masks"].nbytes
+    assert padded == 100 * 480 * 640 * 4  # 123 MB
+    kept = compact(answer, "float32")
+    assert kept.nbytes * 20 <= padded, f"{kept.nbytes:,} bytes kept of {padded:,}"
+    assert np.array_equal(kept.rows()[0]["masks"] > 0.5, answer["masks"][0] > 0.5)
+
+
+def _mask_rcnn_answer(detections: int, size: tuple[int, int], padding: int = 0) -> dict:
+    """A Mask R-CNN's padded answer for one image: ``detections`` boxes, each with a mask
+    pasted as torchvision pastes one (probabilities in the box, 0 outside), and
+    ``padding`` more rows of zeros."""
+    generator = np.random.default_rng(0)
+    height, width = size
+    rows = detections + padding
+    masks = np.zeros((1, rows, 1, height, width), np.float32)
+    boxes = np.zeros((1, rows, 4), np.float32)
+    for k in range(detections):
+        x0, y0 = generator.integers(0, width // 2), generator.integers(0, height // 2)
+        x1 = x0 + generator.integers(2, width // 2 + 1)
+        y1 = y0 + generator.integers(2, height // 2 + 1)
+        boxes[0, k] = x0, y0, x1, y1
+        y, x = np.mgrid[-1 : 1 : (y1 - y0) * 1j, -1 : 1 : (x1 - x0) * 1j]
+        masks[0, k, 0, y0:y1, x0:x1] = 1 / (1 + np.exp(8 * (x**2 + y**2 - 0.6)))
+    return {
+        "boxes": boxes,
+        "scores": np.linspace(0.9, 0.1, rows, dtype=np.float32)[None] * (boxes[..., 2] > 0),
+        "labels": np.where(boxes[..., 2] > 0, 1, -1),
+        "num_detections": np.array([[detections]]),
+        "masks": masks,
+    }
+
+
+def test_the_client_gives_each_image_its_detections_without_their_padding():
+    client = _client([-1, 3, 4, 5])
+    answer = _mask_rcnn_answer(detections=3, size=(4, 5), padding=7)
+    client.infer = lambda images: {
+        name: value.repeat(len(images), 0) for name, value in answer.items()
+    }
+    got = client([np.zeros((3, 4, 5), np.float32)] * 2)
+    assert [set(image) for image in got] == [{"boxes", "scores", "labels", "masks"}] * 2
+    masks = got[1]["masks"]
+    assert masks.shape == (3, 1, 4, 5)
+    # Its own memory: a view of the padded masks would hold all ten rows.
+    assert masks.untyped_storage().nbytes() == masks.nbytes
 
 
 def _keep(answer: dict, indices: list[int]) -> dict:

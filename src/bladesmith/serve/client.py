@@ -128,11 +128,10 @@ class Client:
         for start in range(0, counts[0], step):
             outputs = self.infer(*(column[start : start + step] for column in columns))
             for i in range(len(next(iter(outputs.values())))):
-                answers.append(
-                    {name: torch.from_numpy(value[i].copy()) for name, value in outputs.items()}
-                )
-        if self.detections:
-            answers = [cut_padding(answer) for answer in answers]
+                answer = {name: value[i] for name, value in outputs.items()}
+                # Cut before the copy: a view of the padded masks would keep them all.
+                answer = cut_padding(answer) if self.detections else answer
+                answers.append({name: torch.from_numpy(v.copy()) for name, v in answer.items()})
         return answers
 
     def _rows(self, given, k: int = 0) -> np.ndarray:
