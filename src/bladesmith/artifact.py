@@ -105,7 +105,7 @@ class OptimizedModule(nn.Module):
             if not inputs["free_batch"]:
                 built_for, source = BuiltFor.of(spec, **inputs), "optimized module"
         if built_for is not None:
-            run = Checked(run, built_for, source)
+            run = Checked({built_for: run}, source)
         return cls(
             run,
             device=candidate.device,
@@ -376,7 +376,7 @@ def load(path: str | os.PathLike) -> OptimizedModule:
     spec = Spec.from_dict(info["spec"])
     built_for = BuiltFor.of(spec, **info["inputs"]) if "inputs" in info else None
     if built_for is not None:
-        run = Checked(run, built_for, str(path))
+        run = Checked({built_for: run}, str(path))
     return OptimizedModule(
         run,
         device=info["device"],
