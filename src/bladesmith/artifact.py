@@ -2,7 +2,8 @@
 
 ``save`` writes what the optimized module computes, without Python code:
 - ``.pt2``: an AOTInductor package (``torch.export`` of the fixed-shape module, then
-  ``torch._inductor.aoti_compile_and_package``), the default on a GPU;
+  AOTInductor) of one model per input signature (shapes and dtypes) of the test data,
+  each compiled for its fixed shapes, the default on a GPU;
 - ``.pt``: frozen TorchScript (``torch.jit.trace`` + ``torch.jit.freeze``);
 - ``.onnx``: ONNX for ONNX Runtime on the CPU (what the onnxruntime pass runs).
 All keep bladesmith's metadata (device, output form), so ``load`` gives back the same
@@ -20,7 +21,7 @@ import json
 import os
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -33,7 +34,13 @@ from bladesmith.devices import with_index
 from bladesmith.errors import BladesmithError, MissingFileError, NotAnArtifactError
 from bladesmith.families import Family, family_named
 from bladesmith.ops import libraries
-from bladesmith.runtimes.inputs import BuiltFor, Checked, follows_the_batch
+from bladesmith.runtimes.inputs import (
+    BuiltFor,
+    Checked,
+    describe_tensors,
+    follows_the_batch,
+    signature,
+)
 from bladesmith.runtimes.onnxruntime import cpu_runner, export_for_any_batch
 from bladesmith.runtimes.torchscript import freeze, is_torchscript, quiet_torchscript
 from bladesmith.spec import AOTI_SUFFIX, SAVE_FORMATS, TORCHSCRIPT_SUFFIX, Spec
@@ -68,6 +75,7 @@ class OptimizedModule(nn.Module):
         spec: Spec | None = None,
         candidate=None,
         example_args: tuple | None = None,
+        verified_args: Sequence[tuple] = (),
         batch_fixed: bool = False,
     ):
         super().__init__()
@@ -82,12 +90,18 @@ class OptimizedModule(nn.Module):
         self.spec = spec
         self.candidate = candidate  # the engine's Candidate; None for a loaded artifact
         self.example_args = example_args  # inputs in the fast path's form, for save()
+        # The test inputs it was verified at, in that form, one per input signature, the
+        # example's first: save compiles a .pt2's models and checks its file at each.
+        calls = [example_args, *verified_args] if example_args is not None else []
+        self.verified_args = _one_per_signature(calls)
         # Registered, so that parameters() and state_dict() show the weights.
         self.module = candidate.module if candidate is not None else None
         self._user_form = family.user_form(self._run) if family is not None else None
 
     @classmethod
-    def from_candidate(cls, candidate, *, spec=None, output="native", example_args=None):
+    def from_candidate(
+        cls, candidate, *, spec=None, output="native", example_args=None, verified_args=()
+    ):
         # The model as given (nothing applied) runs as its own forward, through nothing.
         untouched = not candidate.applied and candidate.runner is None
         run = candidate.module if untouched else candidate
@@ -105,7 +119,7 @@ class OptimizedModule(nn.Module):
             if not inputs["free_batch"]:
                 built_for, source = BuiltFor.of(spec, **inputs), "optimized module"
         if built_for is not None:
-            run = Checked(run, built_for, source)
+            run = Checked({built_for: run}, source)
         return cls(
             run,
             device=candidate.device,
@@ -114,6 +128,7 @@ class OptimizedModule(nn.Module):
             spec=spec,
             candidate=candidate,
             example_args=example_args,
+            verified_args=verified_args,
             batch_fixed=built_for is not None and not built_for.free_batch,
         )
 
@@ -136,6 +151,7 @@ class OptimizedModule(nn.Module):
             spec=self.spec,
             candidate=self.candidate,
             example_args=self.example_args,
+            verified_args=self.verified_args,
         )
 
     def forward(self, *args, **kwargs):
@@ -202,6 +218,14 @@ def _traced_inputs(trace, module, args: tuple) -> dict:
     return {"free_batch": free, "why": why, "batch_only": not free}
 
 
+def _one_per_signature(calls: list[tuple]) -> list[tuple]:
+    """The first of ``calls`` of each input signature (shapes and dtypes), in order."""
+    firsts = {}
+    for args in calls:
+        firsts.setdefault(signature(args), args)
+    return list(firsts.values())
+
+
 def _all_on(device: torch.device, tree) -> bool:
     """Whether every tensor in ``tree`` is on ``device`` already: the usual case, checked
     without pytree's cost on every call."""
@@ -211,13 +235,16 @@ def _all_on(device: torch.device, tree) -> bool:
 def save(optimized: OptimizedModule, path: str | os.PathLike, *, inductor_configs=None) -> Path:
     """Write ``optimized`` (from ``bladesmith.optimize``) to ``path`` and return it.
 
-    The suffix picks the format: ``.pt2`` (AOTInductor package; ``inductor_configs``
-    are passed to ``aoti_compile_and_package``, e.g. ``{"max_autotune": True}``),
+    The suffix picks the format: ``.pt2`` (AOTInductor package of one model per input
+    signature, shapes and dtypes, of the test data, each compiled for its shapes: the
+    time grows with their number, a spinner on a terminal names the one compiling;
+    ``inductor_configs`` are passed to AOTInductor, e.g. ``{"max_autotune": True}``),
     ``.pt`` (frozen TorchScript) or ``.onnx`` (ONNX Runtime, CPU).
     ``optimized.spec.save_formats`` lists those that optimize saved, loaded and verified,
     the one closest to what runs in memory first. A format in ``spec.untried_formats`` is
-    written, loaded back and compared with the optimized module at the spec's tolerance;
-    when its outputs differ it is deleted and the error says so. A format in
+    written, loaded back in a new process and compared with the optimized module at the
+    spec's tolerance on a test input of each signature; when its outputs differ it is
+    deleted and the error says so. A format in
     ``spec.refused_formats`` is refused with its reason.
     """
     path = Path(path)
@@ -252,19 +279,7 @@ def write(optimized: OptimizedModule, path: Path, form: str = "", *, inductor_co
     metadata = _metadata(optimized)
     metadata["libraries"] = libraries.store(libraries.libraries_of(operators), path)
     if form == AOTI_SUFFIX:
-        why = "AOTInductor compiled it for these shapes"
-        metadata["inputs"] = {"free_batch": False, "why": why}
-        exported = torch.export.export(module, args, strict=False)
-        configs = {
-            **(inductor_configs or {}),
-            "aot_inductor.metadata": {METADATA_KEY: json.dumps(metadata)},
-        }
-        write_atomically(
-            path,
-            lambda temporary: torch._inductor.aoti_compile_and_package(
-                exported, package_path=str(temporary), inductor_configs=configs
-            ),
-        )
+        _write_aoti(module, optimized.verified_args, path, metadata, inductor_configs)
     elif form == TORCHSCRIPT_SUFFIX:
         frozen = freeze(module, args)
         metadata["inputs"] = _traced_inputs(frozen, module, args)
@@ -277,14 +292,57 @@ def write(optimized: OptimizedModule, path: Path, form: str = "", *, inductor_co
         write_atomically(path, lambda temporary: _write_onnx(module, args, temporary, metadata))
 
 
+def _write_aoti(module, calls: list[tuple], path: Path, metadata: dict, inductor_configs) -> None:
+    """An AOTInductor package of one model of ``module`` per input signature of ``calls``,
+    each compiled for its shapes; the first is torch's default, "model" (what
+    ``aoti_load_package`` loads). Every model carries the metadata, which names them."""
+    from torch._inductor.package import package_aoti
+
+    from bladesmith.config import Config
+    from bladesmith.engine.progress import Progress
+
+    several = len(calls) > 1
+    why = f"AOTInductor compiled {'one model for each of' if several else 'it for'} these shapes"
+    signatures = [signature(args) for args in calls]
+    names = [f"model_{i}" if i else "model" for i in range(len(calls))]
+    # "inputs" (the spec's, the first signature's) is what "model" alone runs: what a
+    # bladesmith that predates "models" loads and checks.
+    metadata["inputs"] = {"free_batch": False, "why": why}
+    metadata["models"] = [
+        {
+            "name": name,
+            "shapes": [shape for shape, _ in each],
+            "dtypes": [dtype for _, dtype in each],
+        }
+        for name, each in zip(names, signatures)
+    ]
+    options = {
+        **(inductor_configs or {}),
+        "aot_inductor.package": True,
+        "aot_inductor.metadata": {METADATA_KEY: json.dumps(metadata)},
+    }
+    progress = Progress(Config.current().progress)
+    files = {}
+    for number, (name, args, each) in enumerate(zip(names, calls, signatures), 1):
+        step = f"saving {path.name}: AOTInductor compiling for {describe_tensors(each)}"
+        with progress.step(f"{step} ({number} of {len(calls)})" if several else step):
+            exported = torch.export.export(module, args, strict=False)
+            # What aoti_compile_and_package compiles, kept apart to package several.
+            files[name] = torch._inductor.aot_compile(
+                exported.module(check_guards=False), args, options=options
+            )
+    write_atomically(path, lambda temporary: package_aoti(str(temporary), files))
+
+
 def reload_problem(optimized: OptimizedModule, path: Path) -> str | None:
     """Why the artifact at ``path`` is not ``optimized`` (it does not load and run in a
-    new process, or its outputs on the example input differ past the spec's tolerance
-    there), or None when it is."""
-    from bladesmith.fresh_load import run_saved
+    new process, or its outputs on a test input of each signature differ past the spec's
+    tolerance there), or None when it is."""
+    from bladesmith.fresh_load import run_saved_each
     from bladesmith.verify import compare_outputs, detection_score_tolerance
 
-    got, problem = run_saved(path, optimized.example_args)
+    calls = optimized.verified_args
+    outputs, problem = run_saved_each(path, calls)
     if problem is not None:
         return f"it does not load back: {problem}"
     spec = optimized.spec
@@ -292,10 +350,14 @@ def reload_problem(optimized: OptimizedModule, path: Path) -> str | None:
     # Detection scores as the gate judged them: what the dtype computed in may move them.
     judged_at = rtol + atol if rtol is not None and atol is not None else 0.0
     score_atol = detection_score_tolerance(getattr(torch, spec.dtype), judged_at)
-    comparison = compare_outputs(
-        optimized(*optimized.example_args), got, rtol=rtol, atol=atol, score_atol=score_atol
-    )
-    return None if comparison.passed else f"loaded back, its outputs differ: {comparison.summary()}"
+    for args, got in zip(calls, outputs, strict=True):
+        comparison = compare_outputs(
+            optimized(*args), got, rtol=rtol, atol=atol, score_atol=score_atol
+        )
+        if not comparison.passed:
+            at = f" at {describe_tensors(signature(args))}" if len(calls) > 1 else ""
+            return f"loaded back, its outputs{at} differ: {comparison.summary()}"
+    return None
 
 
 def try_formats(
@@ -346,10 +408,14 @@ def load(path: str | os.PathLike) -> OptimizedModule:
         )
     ops_error = _load_custom_ops()
     libraries.restore(path)
+    models = {}  # a .pt2's, by name
     try:
         if path.suffix == AOTI_SUFFIX:
-            run = torch._inductor.aoti_load_package(str(path))
-            metadata = run.get_metadata().get(METADATA_KEY)
+            from torch.export.pt2_archive._package import load_pt2  # every model, at once
+
+            models = load_pt2(str(path)).aoti_runners
+            run = models.get("model")  # torch's default, every bladesmith .pt2's first
+            metadata = run.get_metadata().get(METADATA_KEY) if run is not None else None
         elif path.suffix == TORCHSCRIPT_SUFFIX:
             extra = {_TORCHSCRIPT_EXTRA: ""}
             with quiet_torchscript():
@@ -375,16 +441,27 @@ def load(path: str | os.PathLike) -> OptimizedModule:
     info = json.loads(metadata)
     spec = Spec.from_dict(info["spec"])
     built_for = BuiltFor.of(spec, **info["inputs"]) if "inputs" in info else None
-    if built_for is not None:
-        run = Checked(run, built_for, str(path))
+    runs = {built_for: run} if built_for is not None else {}
+    if "models" in info:  # a .pt2 of one model per input signature (older ones: "model")
+        runs = {
+            _compiled_for(each, info["inputs"]["why"]): models[each["name"]]
+            for each in info["models"]
+        }
+    if runs:
+        run = Checked(runs, str(path))
     return OptimizedModule(
         run,
         device=info["device"],
         family=family_named(info["family"]) if info.get("family") else None,
         output=info["output"],
         spec=spec,
-        batch_fixed=path.suffix == AOTI_SUFFIX or (built_for and not built_for.free_batch),
+        batch_fixed=path.suffix == AOTI_SUFFIX or any(not b.free_batch for b in runs),
     )
+
+
+def _compiled_for(model: dict, why: str) -> BuiltFor:
+    """What a .pt2's model (its metadata's entry) runs: tensors of its shapes and dtypes."""
+    return BuiltFor(tuple(map(tuple, model["shapes"])), tuple(model["dtypes"]), False, why)
 
 
 def _check_fake_kernels(operators, path: Path) -> None:

@@ -21,8 +21,8 @@ import torch
 _CHILD = """
 import sys, torch, bladesmith
 module = bladesmith.load(sys.argv[1])
-args = torch.load(sys.argv[2], weights_only=True)
-torch.save(module(*args), sys.argv[3])
+calls = torch.load(sys.argv[2], weights_only=True)
+torch.save([module(*args) for args in calls], sys.argv[3])
 """
 TIMEOUT_S = 600
 
@@ -31,9 +31,16 @@ def run_saved(path: Path, args: tuple) -> tuple[object, str | None]:
     """(the outputs of ``bladesmith.load(path)(*args)`` computed in a new process, None),
     or (None, why it failed there: the child's last error line or the signal that
     ended it)."""
+    outputs, problem = run_saved_each(path, [args])
+    return (None, problem) if problem is not None else (outputs[0], None)
+
+
+def run_saved_each(path: Path, calls: list[tuple]) -> tuple[list | None, str | None]:
+    """``run_saved`` of each of ``calls`` (argument tuples), in one new process: (their
+    outputs, None) or (None, why it failed)."""
     with tempfile.TemporaryDirectory(prefix="bladesmith-reload-") as folder:
         inputs, outputs = Path(folder) / "args.pt", Path(folder) / "outputs.pt"
-        torch.save(tuple(args), inputs)
+        torch.save([tuple(args) for args in calls], inputs)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
             result = subprocess.run(

@@ -20,7 +20,7 @@ AOTI_SUFFIX = ".pt2"  # AOTInductor package: compiled kernels, loads without Pyt
 TORCHSCRIPT_SUFFIX = ".pt"  # frozen TorchScript
 ONNX_SUFFIX = ".onnx"  # ONNX, run by ONNX Runtime on the CPU
 SAVE_FORMATS = {
-    AOTI_SUFFIX: "AOTInductor package (torch.export + aoti_compile_and_package)",
+    AOTI_SUFFIX: "AOTInductor package (torch.export + AOTInductor, a model per input shape)",
     TORCHSCRIPT_SUFFIX: "frozen TorchScript (torch.jit.trace + freeze)",
     ONNX_SUFFIX: "ONNX for ONNX Runtime on the CPU (bladesmith.onnx.export)",
 }

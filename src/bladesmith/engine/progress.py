@@ -10,9 +10,10 @@ from bladesmith.report import PassRecord
 
 
 class Progress:
-    """Where ``optimize`` is: a spinner naming the step on a terminal (nested steps show
-    the inner one); elsewhere (a pipe, a log file, a notebook's captured stderr) plain
-    lines, one per pass with its verdict and one for the result; nothing when off."""
+    """Where ``optimize`` is (and ``save``, compiling a .pt2's models): a spinner naming
+    the step on a terminal (nested steps show the inner one); elsewhere (a pipe, a log
+    file, a notebook's captured stderr) plain lines, one per pass with its verdict and one
+    for the result; nothing when off."""
 
     PREFIX = "bladesmith: "
 

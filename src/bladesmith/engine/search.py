@@ -227,7 +227,11 @@ def optimize(
     backend = next((p for p in passes if p.name == best.backend), None)
     spec = spec_of(best, context, backend.saves_as if backend else None)
     optimized = OptimizedModule.from_candidate(
-        best, spec=spec, output=config.output, example_args=best.runner_args(test_args[0])
+        best,
+        spec=spec,
+        output=config.output,
+        example_args=best.runner_args(test_args[0]),
+        verified_args=[best.runner_args(args) for args in test_args],
     )
     with progress.step("saving the result in each format and loading it back"):
         spec = optimized.spec = with_tried_formats(

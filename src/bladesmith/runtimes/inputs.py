@@ -5,9 +5,10 @@ checks them only under AOTI_RUNTIME_CHECK_INPUTS=1), and a trace can keep its ex
 batch (``if x.size(0) > 1:`` is recorded as the branch the example took): either answers
 a call of another shape with rows read past the input, or computed for another batch.
 A loaded artifact therefore runs what it was built for (``BuiltFor``: its spec's input
-shapes and dtypes, and whether its batch is free, which its metadata records) and
-refuses anything else in one line (``Checked``); so does the result of ``optimize`` that
-runs a trace keeping its example's batch.
+shapes and dtypes, and whether its batch is free, which its metadata records; a ``.pt2``
+holds one model per input signature of the test data) and refuses anything else in one
+line (``Checked``); so does the result of ``optimize`` that runs a trace keeping its
+example's batch.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from bladesmith.errors import BladesmithError
 
 def tensors_in(tree) -> list[torch.Tensor]:
     return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+
+
+def signature(tree) -> tuple[tuple[tuple[int, ...], str], ...]:
+    """The shape and dtype of each tensor in ``tree``."""
+    return tuple((tuple(x.shape), str(x.dtype).removeprefix("torch.")) for x in tensors_in(tree))
 
 
 @dataclass(frozen=True)
@@ -55,18 +61,11 @@ class BuiltFor:
             return shape[0] == built[0]
         return shape == built
 
-    def problem(self, args, kwargs) -> str | None:
-        """Why a call with these arguments cannot run, or None."""
-        tensors = tensors_in((args, kwargs))
-        got = [(tuple(x.shape), str(x.dtype).removeprefix("torch.")) for x in tensors]
-        if len(got) == len(self.shapes) and all(
+    def takes(self, got: tuple[tuple[tuple[int, ...], str], ...]) -> bool:
+        """Whether it runs tensors of the shapes and dtypes ``got`` (a ``signature``)."""
+        return len(got) == len(self.shapes) and all(
             self.fits(shape, built) and dtype == want
             for (shape, dtype), built, want in zip(got, self.shapes, self.dtypes)
-        ):
-            return None
-        return (
-            f"got {_describe(got)}, but it runs {self.describe()} only ({self.why}): "
-            "pass inputs like those, or optimize again with test data like yours"
         )
 
     def describe(self) -> str:
@@ -78,29 +77,43 @@ class BuiltFor:
             else shape
             for shape in self.shapes
         ]
-        return _describe(list(zip(shapes, self.dtypes)))
+        return describe_tensors(list(zip(shapes, self.dtypes)))
 
 
-def _describe(tensors: list[tuple[tuple, str]]) -> str:
+def describe_tensors(tensors) -> str:
+    """(shape, dtype) pairs (a ``signature``) as ``[1, 3, 8, 8] float32, [1] int64``."""
     if not tensors:
         return "no tensor"
     return ", ".join(f"[{', '.join(map(str, shape))}] {dtype}" for shape, dtype in tensors)
 
 
 class Checked:
-    """``run``, refusing in one line (naming ``source``) any call that ``built_for``
-    does not describe."""
+    """The runner of ``runs`` ({BuiltFor: runner}: one, or a ``.pt2``'s model per input
+    signature) built for a call's inputs, refusing in one line (naming ``source``) a
+    call that none of them was built for."""
 
-    def __init__(self, run: Callable, built_for: BuiltFor, source: str):
-        self.run = run
-        self.built_for = built_for
+    def __init__(self, runs: dict[BuiltFor, Callable], source: str):
+        self.runs = runs
         self.source = source
 
     def __call__(self, *args, **kwargs):
-        problem = self.built_for.problem(args, kwargs)
-        if problem is not None:
-            raise BladesmithError(f"{self.source}: {problem}")
-        return self.run(*args, **kwargs)
+        got = signature((args, kwargs))
+        run = next((run for built, run in self.runs.items() if built.takes(got)), None)
+        if run is None:
+            raise BladesmithError(f"{self.source}: {self._refusal(got)}")
+        return run(*args, **kwargs)
+
+    def _refusal(self, got) -> str:
+        built = list(self.runs)
+        several = len(built) > 1  # parenthesised where a signature has several tensors
+        runs = " or ".join(
+            f"({each.describe()})" if several and len(each.shapes) > 1 else each.describe()
+            for each in built
+        )
+        return (
+            f"got {describe_tensors(got)}, but it runs {runs} only ({built[0].why}): "
+            "pass inputs like those, or optimize again with test data like yours"
+        )
 
 
 def follows_the_batch(runner: Callable, module, args: tuple) -> bool:
