@@ -81,6 +81,23 @@ def test_a_pt2_refuses_a_shape_it_was_not_compiled_for_in_one_line(two_batches):
         ) in message
 
 
+def test_a_pt2_loads_each_model_by_name_where_torchs_package_reader_refuses_it(
+    two_batches, monkeypatch
+):
+    """A torch without the reader that reads every model at once (or a package it
+    refuses): each model is read by torch's public loader, by name, when first called."""
+    from torch.export.pt2_archive import _package
+
+    def refuses(path, **_):
+        raise RuntimeError("an outdated package")
+
+    monkeypatch.setattr(_package, "load_pt2", refuses)
+    optimized, _, path, batches, _ = two_batches
+    loaded = bladesmith.load(path)
+    for x in batches:
+        torch.testing.assert_close(loaded(x), optimized(x), rtol=1e-4, atol=1e-5)
+
+
 def test_save_checks_a_pt2_at_every_signature(two_batches, monkeypatch):
     from bladesmith import fresh_load
     from bladesmith.artifact import reload_problem

@@ -411,9 +411,7 @@ def load(path: str | os.PathLike) -> OptimizedModule:
     models = {}  # a .pt2's, by name
     try:
         if path.suffix == AOTI_SUFFIX:
-            from torch.export.pt2_archive._package import load_pt2  # every model, at once
-
-            models = load_pt2(str(path)).aoti_runners
+            models = _AotiModels(path)
             run = models.get("model")  # torch's default, every bladesmith .pt2's first
             metadata = run.get_metadata().get(METADATA_KEY) if run is not None else None
         elif path.suffix == TORCHSCRIPT_SUFFIX:
@@ -457,6 +455,35 @@ def load(path: str | os.PathLike) -> OptimizedModule:
         spec=spec,
         batch_fixed=path.suffix == AOTI_SUFFIX or any(not b.free_batch for b in runs),
     )
+
+
+# torch's refusal of a package built for a device this machine lacks.
+_AOTI_DEVICE_ERROR = "Cannot load AOTInductor package for device"
+
+
+class _AotiModels(dict):
+    """A .pt2's models by name: all read at once where torch's package reader can
+    (``load_pt2``, private), else each as its public loader reads it, once asked for (a
+    torch without that reader, or a package it refuses: ``load_package`` falls back the
+    same way)."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+        try:
+            from torch.export.pt2_archive._package import load_pt2
+
+            super().__init__(load_pt2(self.path).aoti_runners)
+        except (ImportError, RuntimeError) as error:
+            if _AOTI_DEVICE_ERROR in str(error):  # built for a device that is not here
+                raise
+            super().__init__()
+            self.__missing__("model")  # now, as before: its errors are load's
+
+    def __missing__(self, name: str):
+        from torch._inductor.package import load_package
+
+        self[name] = load_package(self.path, model_name=name)
+        return self[name]
 
 
 def _compiled_for(model: dict, why: str) -> BuiltFor:
