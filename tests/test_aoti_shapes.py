@@ -13,6 +13,7 @@ from torch import nn
 import bladesmith
 from bladesmith.config import Config
 from bladesmith.errors import BladesmithError
+from engine_testing import Flags
 from test_reload import reload_in_new_process
 
 QUICK = Config(warmup=0, iters=1)
@@ -135,3 +136,30 @@ def test_a_pt2_of_one_model_written_the_old_way_still_loads(tmp_path):
     assert loaded.spec == optimized.spec and loaded.batch_fixed
     with pytest.raises(BladesmithError, match=r"runs \[2, 3, 8, 8\] float32 only \(AOTInd"):
         loaded(x[:1])
+
+
+def test_a_pt2_holds_the_non_tensor_arguments_it_was_compiled_for(tmp_path):
+    """AOTInductor keeps no guard on a non-tensor argument: a model compiled for
+    negate=True answered negate=False as if for True. Each value of the test data gets a
+    model of its own, and a call with another value is refused in one line."""
+    x = torch.randn(2, 4)
+    model = Flags().eval()
+    optimized, _, _ = bladesmith.optimize(
+        model, device="cpu", test_data=[(x, True), (x, False)], config=QUICK, passes=[]
+    )
+    both = bladesmith.load(bladesmith.save(optimized, tmp_path / "both.pt2"))
+    for negate in (True, False):
+        torch.testing.assert_close(both(x, negate), model(x, negate), rtol=1e-4, atol=1e-5)
+    optimized, _, _ = bladesmith.optimize(
+        model, device="cpu", test_data=[(x, True)], config=QUICK, passes=[]
+    )
+    one = bladesmith.load(bladesmith.save(optimized, tmp_path / "one.pt2"))
+    torch.testing.assert_close(one(x, True), model(x, True), rtol=1e-4, atol=1e-5)
+    with pytest.raises(BladesmithError) as refused:
+        one(x, False)
+    message = str(refused.value)
+    assert (
+        "\n" not in message
+        and ("got [2, 4] float32, negate=False, but it runs [2, 4] float32, negate=True only")
+        in message
+    )

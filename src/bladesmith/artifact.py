@@ -33,6 +33,7 @@ from bladesmith.bench import iter_tensors
 from bladesmith.devices import with_index
 from bladesmith.errors import BladesmithError, MissingFileError, NotAnArtifactError
 from bladesmith.families import Family, family_named
+from bladesmith.onnx.exporter import baked_arguments
 from bladesmith.ops import libraries
 from bladesmith.runtimes.inputs import (
     BuiltFor,
@@ -219,10 +220,12 @@ def _traced_inputs(trace, module, args: tuple) -> dict:
 
 
 def _one_per_signature(calls: list[tuple]) -> list[tuple]:
-    """The first of ``calls`` of each input signature (shapes and dtypes), in order."""
+    """The first of ``calls`` of each input signature (shapes and dtypes, and the
+    non-tensor arguments, which a .pt2's model holds as constants), in order."""
     firsts = {}
     for args in calls:
-        firsts.setdefault(signature(args), args)
+        constants = [repr(leaf) for leaf in pytree.tree_leaves(args) if not torch.is_tensor(leaf)]
+        firsts.setdefault((signature(args), *constants), args)
     return list(firsts.values())
 
 
@@ -313,8 +316,10 @@ def _write_aoti(module, calls: list[tuple], path: Path, metadata: dict, inductor
             "name": name,
             "shapes": [shape for shape, _ in each],
             "dtypes": [dtype for _, dtype in each],
+            # AOTInductor keeps no guard on them: the loader checks each call's.
+            "constants": baked_arguments(module, args),
         }
-        for name, each in zip(names, signatures)
+        for name, each, args in zip(names, signatures, calls)
     ]
     options = {
         **(inductor_configs or {}),
@@ -488,7 +493,9 @@ class _AotiModels(dict):
 
 def _compiled_for(model: dict, why: str) -> BuiltFor:
     """What a .pt2's model (its metadata's entry) runs: tensors of its shapes and dtypes."""
-    return BuiltFor(tuple(map(tuple, model["shapes"])), tuple(model["dtypes"]), False, why)
+    constants = json.dumps(model["constants"]) if model.get("constants") else ""
+    shapes, dtypes = tuple(map(tuple, model["shapes"])), tuple(model["dtypes"])
+    return BuiltFor(shapes, dtypes, False, why, constants=constants)
 
 
 def _check_fake_kernels(operators, path: Path) -> None:

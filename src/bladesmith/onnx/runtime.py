@@ -205,10 +205,9 @@ class Session:
         """Refuse, in one line, a call of the exported module whose non-tensor
         arguments differ from those its graph holds as constants."""
         for entry in self.baked_arguments:
-            got = _argument(entry, args, kwargs or {})
-            if not _same(entry, got):
+            if not holds_argument(entry, args, kwargs):
                 name = entry["name"]
-                given = "not given" if got is _MISSING else f"{name}={_describe(got)}"
+                given = given_argument(entry, args, kwargs)
                 raise BladesmithError(
                     f"{given}: this ONNX model was exported with {name}={entry['repr']}, "
                     "which its graph holds as a constant (it would answer as if for that "
@@ -281,6 +280,17 @@ def _baked_arguments(inference_session) -> list[dict]:
     meta = getattr(inference_session, "get_modelmeta", None)
     recorded = meta().custom_metadata_map.get(_METADATA_KEY) if meta else None
     return json.loads(recorded) if recorded else []
+
+
+def holds_argument(entry: dict, args: tuple, kwargs: dict | None = None) -> bool:
+    """Whether a call gives the baked argument ``entry`` (``baked_arguments``) its value."""
+    return _same(entry, _argument(entry, args, kwargs or {}))
+
+
+def given_argument(entry: dict, args: tuple, kwargs: dict | None = None) -> str:
+    """What a call gives for the baked argument ``entry``: "name=value" or "not given"."""
+    got = _argument(entry, args, kwargs or {})
+    return "not given" if got is _MISSING else f"{entry['name']}={_describe(got)}"
 
 
 def _argument(entry: dict, args: tuple, kwargs: dict):

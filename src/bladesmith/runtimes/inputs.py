@@ -13,13 +13,16 @@ example's batch.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch.utils import _pytree as pytree
 
 from bladesmith.errors import BladesmithError
+from bladesmith.onnx.runtime import given_argument, holds_argument
 
 
 def tensors_in(tree) -> list[torch.Tensor]:
@@ -44,6 +47,22 @@ class BuiltFor:
     # Only the batch is held (a runner verified at several sizes of the test data, which
     # the spec, describing the first, does not list).
     batch_only: bool = False
+    # The non-tensor arguments it holds as constants, as JSON of ``onnx.exporter.
+    # baked_arguments``' entries: a .pt2's model answers as if given those values.
+    constants: str = ""
+
+    @cached_property
+    def constant_arguments(self) -> list[dict]:
+        """``constants``' entries."""
+        return json.loads(self.constants) if self.constants else []
+
+    def holds(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a call gives the non-tensor arguments the values it holds."""
+        return all(holds_argument(entry, args, kwargs) for entry in self.constant_arguments)
+
+    def given(self, args: tuple, kwargs: dict) -> list[str]:
+        """What a call gives for the arguments it holds, as "name=value"."""
+        return [given_argument(entry, args, kwargs) for entry in self.constant_arguments]
 
     @classmethod
     def of(cls, spec, *, free_batch: bool, why: str, batch_only: bool = False) -> BuiltFor | None:
@@ -77,7 +96,8 @@ class BuiltFor:
             else shape
             for shape in self.shapes
         ]
-        return describe_tensors(list(zip(shapes, self.dtypes)))
+        held = [f"{entry['name']}={entry['repr']}" for entry in self.constant_arguments]
+        return ", ".join([describe_tensors(list(zip(shapes, self.dtypes))), *held])
 
 
 def describe_tensors(tensors) -> str:
@@ -98,20 +118,30 @@ class Checked:
 
     def __call__(self, *args, **kwargs):
         got = signature((args, kwargs))
-        run = next((run for built, run in self.runs.items() if built.takes(got)), None)
+        run = next(
+            (
+                run
+                for built, run in self.runs.items()
+                if built.takes(got) and built.holds(args, kwargs)
+            ),
+            None,
+        )
         if run is None:
-            raise BladesmithError(f"{self.source}: {self._refusal(got)}")
+            raise BladesmithError(f"{self.source}: {self._refusal(got, args, kwargs)}")
         return run(*args, **kwargs)
 
-    def _refusal(self, got) -> str:
+    def _refusal(self, got, args: tuple, kwargs: dict) -> str:
         built = list(self.runs)
-        several = len(built) > 1  # parenthesised where a signature has several tensors
+        several = len(built) > 1  # parenthesised where one holds several inputs
         runs = " or ".join(
-            f"({each.describe()})" if several and len(each.shapes) > 1 else each.describe()
+            f"({each.describe()})"
+            if several and len(each.shapes) + len(each.constant_arguments) > 1
+            else each.describe()
             for each in built
         )
+        given = ", ".join([describe_tensors(got), *built[0].given(args, kwargs)])
         return (
-            f"got {describe_tensors(got)}, but it runs {runs} only ({built[0].why}): "
+            f"got {given}, but it runs {runs} only ({built[0].why}): "
             "pass inputs like those, or optimize again with test data like yours"
         )
 
