@@ -78,12 +78,16 @@ class OptimizedModule(nn.Module):
         example_args: tuple | None = None,
         verified_args: Sequence[tuple] = (),
         batch_fixed: bool = False,
+        batches: Sequence[int] = (),
     ):
         super().__init__()
         self._run = run
         # Runs at its spec's batch only (an AOTInductor package; a trace that keeps its
-        # example's batch): it refuses others (runtimes/inputs.py).
+        # example's batch): it refuses others (runtimes/inputs.py)...
         self.batch_fixed = bool(batch_fixed)
+        # ...and those of ``batches``, a .pt2's that holds a model for each (the spec's
+        # other dimensions and dtypes; what serving can fill as buckets).
+        self.batches = tuple(sorted(batches))
         self.device = torch.device(device)
         self._home = with_index(self.device)  # as tensors report it
         self.family = family
@@ -459,7 +463,23 @@ def load(path: str | os.PathLike) -> OptimizedModule:
         output=info["output"],
         spec=spec,
         batch_fixed=path.suffix == AOTI_SUFFIX or any(not b.free_batch for b in runs),
+        batches=_batches_held(runs, spec) if "models" in info else (),
     )
+
+
+def _batches_held(runs, spec: Spec) -> set[int]:
+    """The batch sizes a .pt2 holds a model for at the spec's other dimensions and
+    dtypes, without constants to hold."""
+    shapes, dtypes = tuple(map(tuple, spec.input_shapes)), tuple(spec.input_dtypes)
+    return {
+        built.shapes[0][0]
+        for built in runs
+        if built.dtypes == dtypes
+        and not built.constant_arguments
+        and len(built.shapes) == len(shapes)
+        and all(shape[1:] == want[1:] for shape, want in zip(built.shapes, shapes))
+        and all(shape and shape[0] == built.shapes[0][0] for shape in built.shapes)
+    }
 
 
 # torch's refusal of a package built for a device this machine lacks.

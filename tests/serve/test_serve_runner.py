@@ -182,6 +182,28 @@ def test_an_aotinductor_package_is_not_tried_at_another_batch(tmp_path, capsys):
     np.testing.assert_allclose(answer["output_0"], expected(x)[0], rtol=1e-4, atol=1e-5)
 
 
+def test_an_aotinductor_package_of_several_batches_serves_each_as_a_bucket(tmp_path, capsys):
+    """Test data of batches 1 and 4 gives a .pt2 of a model for each: its largest is the
+    served batch, and one row runs in the model of 1, not padded to 4."""
+
+    one, four = torch.from_numpy(rows(1, 40)), torch.from_numpy(rows(NET_BATCH, 41))
+    optimized, _, _ = bladesmith.optimize(
+        tiny_net(), device="cpu", test_data=[(one,), (four,)], config=QUICK, passes=[]
+    )
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt2"))
+    assert loaded.batches == (1, NET_BATCH)
+    capsys.readouterr()
+    runner = BucketRunner(loaded)
+    assert runner.signature.bucket == NET_BATCH and runner.buckets == (1, NET_BATCH)
+    assert capsys.readouterr().err == f"bladesmith serve: batch buckets 1, {NET_BATCH}\n"
+    ran = []
+    runner.run = lambda x, run=runner.run: ran.append(x.shape[0]) or run(x)
+    x = rows(1, 42)
+    [answer] = runner.answer([[x]])
+    np.testing.assert_allclose(answer["output_0"], expected(x)[0], rtol=1e-4, atol=1e-5)
+    assert ran == [1]
+
+
 def test_a_bucket_that_answers_otherwise_than_the_full_batch_is_dropped(net_artifacts, capsys):
     def drifting(loaded, x):  # right at batches 1 and 4, off by 1e-3 at batch 2
         scores, best = loaded(x)

@@ -116,11 +116,11 @@ def signature_of(module, image_dtype: str = "float32") -> Signature:
     shapes = spec.input_shapes
     if not shapes or any(len(shape) == 0 for shape in shapes):
         raise BladesmithError("serve: the artifact's inputs have no batch dimension")
-    bucket = shapes[0][0]
-    if any(shape[0] != bucket for shape in shapes):
+    if any(shape[0] != shapes[0][0] for shape in shapes):
         raise BladesmithError(
             f"serve: the artifact's inputs disagree on the batch dimension: {list(shapes)}"
         )
+    bucket = max(getattr(module, "batches", ()), default=shapes[0][0])  # a .pt2's largest
     family = module.family
     if image_dtype not in IMAGE_DTYPES:
         raise BladesmithError(f"--image-dtype: expected float32 or uint8, got {image_dtype!r}")
@@ -300,12 +300,16 @@ class BucketRunner:
         )
 
     def _add_smaller_buckets(self, module) -> dict[int, str]:
-        """Keep each power of two below the artifact's batch where the artifact runs and
-        answers seeded random rows (a detector's: views of photographs) as it answers
-        them in the first slots of its own batch (within the rounding of the dtype it
-        computes in); why each other one was not."""
+        """Keep each power of two below the artifact's batch (a .pt2's: each batch below
+        it that it holds a model for) where the artifact runs and answers seeded random
+        rows (a detector's: views of photographs) as it answers them in the first slots of
+        its own batch (within the rounding of the dtype it computes in); why each other one
+        was not."""
         full = self.signature.bucket
         sizes, fixed = smaller_buckets(full), _only_at_its_batch(module)
+        held = [size for size in getattr(module, "batches", ()) if size < full]
+        if fixed and held:  # a .pt2's other models: each tried as a bucket
+            sizes, fixed = held, None
         if fixed or not sizes:
             return dict.fromkeys(sizes, fixed)
         generator = np.random.default_rng(0)
