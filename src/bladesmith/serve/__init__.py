@@ -68,8 +68,8 @@ def serve(
     each in its own process; ``device`` is ``cpu``, ``cuda`` or ``cuda:0,1`` (default: the
     artifact's). ``image_dtype="uint8"`` serves a detector's images as uint8 (a quarter of
     the bytes; made float32 in [0, 1] on the device). ``block``: serve until SIGINT or
-    SIGTERM, then stop (new requests are refused with HTTP 503 / gRPC UNAVAILABLE, those
-    being computed answered); raises ``ServerStopError`` if tritonserver did not stop
+    SIGTERM, then stop (the requests that had arrived are answered, later ones refused
+    with HTTP 503 / gRPC UNAVAILABLE); raises ``ServerStopError`` if tritonserver did not stop
     cleanly (what was left of it is killed all the same); else return the started
     ``Server`` (a context manager; ``stop()`` it).
     """
