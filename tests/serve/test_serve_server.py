@@ -600,6 +600,36 @@ def test_a_stop_answers_the_requests_that_had_arrived_and_refuses_later_ones(
     assert not _group(tritonserver), "a tritonserver or stub process survived"
 
 
+def test_a_second_signal_ends_the_stop_at_once_and_says_requests_may_be_cut_off(
+    spin_artifact, tmp_path
+):
+    log = tmp_path / "serve.log"
+    row = np.zeros((1, 16), np.float32)
+    with _serving(spin_artifact, log, "--max-batch", "1") as (process, http, _, _):
+        [tritonserver] = _children(process.pid)
+        client = triton.InferenceServerClient(f"127.0.0.1:{http}", network_timeout=120)
+        with ThreadPoolExecutor(1) as pool:
+            # Minutes of computing: the batch outlasts the drain's 30 s.
+            computing = pool.submit(_spin, triton, client, row, 10**6)
+            time.sleep(1)
+            process.send_signal(signal.SIGTERM)
+            time.sleep(1)
+            assert process.poll() is None  # waiting for the batch
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGINT)
+            code = process.wait(30)
+            took = time.monotonic() - signalled
+            assert computing.exception(timeout=30) is not None  # cut off
+        client.close()
+    said = [
+        line for line in log.read_text().splitlines() if line.startswith("bladesmith serve: error")
+    ]
+    assert code == 1 and took < 10, said
+    assert len(said) == 1 and "second signal" in said[0] and "may have been cut off" in said[0]
+    assert not _group(tritonserver), "a tritonserver or stub process survived"
+    assert not [name for name in os.listdir("/dev/shm") if f"_{process.pid}_" in name]
+
+
 def test_a_tritonserver_that_dies_leaves_no_stub_or_shared_memory_and_says_so(net_artifacts):
     from bladesmith.serve.server import _group_members
 

@@ -6,6 +6,7 @@ in its own process); the server itself is stopped under load in test_serve_serve
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -100,6 +101,19 @@ def test_a_stop_says_when_a_batch_outlasts_its_timeout(folder):
         problem = stopping.refuse_and_drain(folder, 0.2, lambda: {"net/1": 0})
     assert problem == "requests that had arrived were unanswered after 0 s"
     assert not _take(gate, 1)  # nothing more is admitted
+
+
+def test_a_stop_cut_short_returns_at_once_and_admits_nothing_more(folder):
+    [gate] = _gates(1, max_batch=1)
+    cut_short = threading.Event()
+    with ThreadPoolExecutor(1) as pool, gate(1) as computing:
+        assert computing
+        stop = pool.submit(stopping.refuse_and_drain, folder, 30, lambda: {"net/1": 3}, cut_short)
+        time.sleep(0.2)
+        assert not stop.done()
+        cut_short.set()
+        assert stop.result(timeout=1) is None  # the caller says it was cut short
+        assert not _take(gate, 1)  # queued or not: the server is about to end
 
 
 def test_the_pending_requests_are_read_per_model_version_from_the_metrics():

@@ -314,11 +314,14 @@ class Server:
         while self.running() and not stop.wait(0.5):
             pass
 
-    def stop(self, timeout: float = DRAIN_TIMEOUT_S) -> int | None:
+    def stop(
+        self, timeout: float = DRAIN_TIMEOUT_S, cut_short: threading.Event | None = None
+    ) -> int | None:
         """Answer the requests that had arrived (within ``timeout``), refuse later ones
         (HTTP 503, gRPC UNAVAILABLE), end tritonserver and whatever it started, and remove
-        its shared memory. tritonserver's exit code where it had exited by itself, else 0
-        (``stop_problem`` says what went wrong, None after a clean stop)."""
+        its shared memory; once ``cut_short`` is set, end them without waiting any longer
+        (requests may be cut off). tritonserver's exit code where it had exited by itself,
+        else 0 (``stop_problem`` says what went wrong, None after a clean stop)."""
         process, self._process = self._process, None
         code = None
         problems, left = [], []
@@ -326,14 +329,18 @@ class Server:
             if process.poll() is None:
                 try:
                     problems.append(
-                        stopping.refuse_and_drain(Path(self._workdir.name), timeout, self._pending)
+                        stopping.refuse_and_drain(
+                            Path(self._workdir.name), timeout, self._pending, cut_short
+                        )
                     )
                     # Not a problem when it times out: clients still sending (and refused)
                     # keep the connections busy to the end.
-                    stopping.wait_sent({self.http_port, self.grpc_port}, SEND_TIMEOUT_S)
+                    stopping.wait_sent({self.http_port, self.grpc_port}, SEND_TIMEOUT_S, cut_short)
                 # The work folder gone (a /tmp cleaner) or its state garbled: end anyway.
                 except (OSError, ValueError) as error:
                     problems.append(f"the stop could not drain ({error})")
+                if cut_short is not None and cut_short.is_set():
+                    problems.append("the stop was cut short: requests may have been cut off")
                 exited = process.poll() is not None  # by itself, meanwhile (a crash)
                 left = _end_group(process.pid)  # tritonserver and its stubs
                 # Killed here, unless it had exited by itself meanwhile.

@@ -46,6 +46,7 @@ import contextlib
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
@@ -137,11 +138,12 @@ def refuse_and_drain(
     folder: Path,
     timeout: float,
     pending: Callable[[], dict[str, int]],
+    cut_short: threading.Event | None = None,
 ) -> str | None:
     """Have the instances answer the requests that had arrived and refuse later ones (the
     module doc says how); ``pending()`` reads each model version's queued requests from
-    Triton's metrics. Returns once those are answered, or after ``timeout`` seconds; then
-    nothing more is admitted.
+    Triton's metrics. Returns once those are answered, or after ``timeout`` seconds, or
+    as soon as ``cut_short`` is set (the caller says so); then nothing more is admitted.
     What went wrong, in a few words; None when nothing did."""
     shared = _Shared(folder)
     try:
@@ -155,7 +157,7 @@ def refuse_and_drain(
                     waiting = []
                 done = not waiting and shared.idle()
                 late = not done and time.monotonic() > deadline
-                if done or late:
+                if done or late or (cut_short is not None and cut_short.is_set()):
                     for counts in models.values():
                         counts["cutoff"] = counts["taken"]  # nothing more is admitted
                     break
@@ -196,13 +198,14 @@ def _set_cutoffs(shared: _Shared, pending: Callable[[], dict[str, int]]) -> str 
     )
 
 
-def wait_sent(ports: set[int], timeout: float) -> None:
-    """Wait (at most ``timeout`` seconds) until what the server has written on the
-    connections to ``ports`` has reached their clients: nothing unacknowledged for
-    ``_QUIET_S``. Clients still sending (and refused) keep it waiting to the end."""
+def wait_sent(ports: set[int], timeout: float, cut_short: threading.Event | None = None) -> None:
+    """Wait (at most ``timeout`` seconds, and no longer once ``cut_short`` is set) until
+    what the server has written on the connections to ``ports`` has reached their
+    clients: nothing unacknowledged for ``_QUIET_S``. Clients still sending (and
+    refused) keep it waiting to the end."""
     deadline = time.monotonic() + timeout
     quiet_since = time.monotonic()
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (cut_short is not None and cut_short.is_set()):
         now = time.monotonic()
         if _unacknowledged(ports):
             quiet_since = now
