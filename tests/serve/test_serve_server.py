@@ -505,7 +505,7 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
     assert not leaked
 
 
-SPIN_STEPS = 150  # tens of milliseconds a request here: requests queue behind one another
+SPIN_STEPS = 500  # tens of milliseconds a request here: requests queue behind one another
 
 
 def _spin(protocol, client, x: np.ndarray, steps: int) -> np.ndarray:
