@@ -6,9 +6,11 @@ import pytest
 import torch
 from serve_testing import (
     MASK_SIZE,
+    NET_BATCH,
     QUICK,
     LastStep,
     ScaleClips,
+    Spin,
     Tagger,
     optimized_net,
     tiny_mask_rcnn,
@@ -26,6 +28,17 @@ def net_artifacts(tmp_path_factory):
     return {
         suffix: bladesmith.save(optimized, folder / f"net{suffix}") for suffix in (".pt", ".onnx")
     }
+
+
+@pytest.fixture(scope="session")
+def spin_artifact(tmp_path_factory):
+    """``Spin`` scripted (its loop kept), saved as TorchScript: spin.pt."""
+    model = torch.jit.script(Spin().eval())
+    test_data = [(torch.randn(NET_BATCH, 16), torch.full((NET_BATCH,), 3))]
+    optimized, _, _ = bladesmith.optimize(
+        model, device="cpu", test_data=test_data, config=QUICK, passes=[]
+    )
+    return bladesmith.save(optimized, tmp_path_factory.mktemp("spin") / "spin.pt")
 
 
 @pytest.fixture(scope="session")

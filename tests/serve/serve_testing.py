@@ -112,6 +112,22 @@ def typed_inputs(model: nn.Module, rows: int = NET_BATCH, seed: int = 0) -> tupl
     return x, torch.randint(1, 7, (rows,), generator=generator)
 
 
+class Spin(nn.Module):
+    """Rounds of a matrix product, as many as the batch's largest ``steps`` (int64, one
+    per row): how long a request takes is its own to say. Rows [B, 16] in, [B, 256] out."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(256, 256) / 16)
+
+    def forward(self, x, steps):
+        state = x.repeat(1, 16).unsqueeze(1).expand(-1, 64, -1)
+        for _ in range(int(steps.max())):
+            state = torch.tanh(state @ self.weight + 1)  # kept from denormals: they are slow
+        return state.mean(1)
+
+
 MASK_SIZE = (128, 160)
 
 

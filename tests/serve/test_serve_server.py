@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -56,15 +57,15 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-@pytest.fixture
-def served_net(net_artifacts, tmp_path):
-    """`bladesmith serve net.pt` as a user runs it: (process, http, grpc and metrics ports)."""
+@contextmanager
+def _serving(artifact: Path, log: Path, *options: str):
+    """`bladesmith serve ARTIFACT OPTIONS` as a user runs it, ready: (process, http, grpc
+    and metrics ports); SIGTERM (then SIGKILL) on exit if it still runs."""
     http, grpc, metrics = free_ports(3)
-    log = tmp_path / "serve.log"
     command = [
-        sys.executable, "-m", "bladesmith", "serve", str(net_artifacts[".pt"]),
+        sys.executable, "-m", "bladesmith", "serve", str(artifact),
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-        "--max-batch", str(MAX_BATCH), "--max-queue-delay-us", "2000", "--instances", "2",
+        *options,
     ]  # fmt: skip
     with open(log, "wb") as output:
         process = subprocess.Popen(
@@ -81,6 +82,14 @@ def served_net(net_artifacts, tmp_path):
             except subprocess.TimeoutExpired:
                 process.kill()  # its tritonserver gets SIGTERM when it dies
                 process.wait()
+
+
+@pytest.fixture
+def served_net(net_artifacts, tmp_path):
+    """`bladesmith serve net.pt`, two instances: (process, http, grpc and metrics ports)."""
+    options = ("--max-batch", str(MAX_BATCH), "--max-queue-delay-us", "2000", "--instances", "2")
+    with _serving(net_artifacts[".pt"], tmp_path / "serve.log", *options) as served:
+        yield served
 
 
 def _request(client, x: np.ndarray, dtype: str = "FP32"):
@@ -494,6 +503,131 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
     assert all(_port_free(port) for port in (http, grpc, metrics))
     leaked = [name for name in os.listdir("/dev/shm") if f"_{process.pid}_" in name]
     assert not leaked
+
+
+SPIN_STEPS = 500  # tens of milliseconds a request here: requests queue behind one another
+
+
+def _spin(protocol, client, x: np.ndarray, steps: int) -> np.ndarray:
+    """Spin's answer to rows ``x`` run ``steps`` times, over tritonclient's ``protocol``."""
+    rows = protocol.InferInput("input_0", list(x.shape), "FP32")
+    rows.set_data_from_numpy(x)
+    counts = protocol.InferInput("input_1", [len(x), 1], "INT64")
+    counts.set_data_from_numpy(np.full((len(x), 1), steps, np.int64))
+    return client.infer("spin", [rows, counts]).as_numpy("output_0")
+
+
+def test_a_stop_answers_the_requests_that_had_arrived_and_refuses_later_ones(
+    spin_artifact, tmp_path
+):
+    import tritonclient.grpc as triton_grpc
+    from serve_testing import Spin
+
+    log = tmp_path / "serve.log"
+    senders, latecomers = 12, 6
+    rows = np.random.default_rng(0).standard_normal((senders + latecomers, 1, 16), np.float32)
+    hold, late = threading.Event(), threading.Event()
+    lock = threading.Lock()
+    in_flight = [0]
+    before, after = [], []  # (row, answer or "refused")
+
+    def ask(index: int, ready: threading.Event | None = None) -> str | np.ndarray:
+        """Row ``index``'s answer or "refused", sent once ``ready`` is set."""
+        protocol = triton_grpc if index % 2 else triton  # half over gRPC
+        if protocol is triton:
+            client = triton.InferenceServerClient(f"127.0.0.1:{http}", network_timeout=60)
+        else:
+            client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc}")
+        try:
+            if ready is not None:
+                ready.wait(60)
+            return _spin(protocol, client, rows[index], SPIN_STEPS)
+        except InferenceServerException as error:
+            assert "shutting down" in error.message(), error  # nothing else
+            assert error.status() in ("503", "StatusCode.UNAVAILABLE"), error
+            return "refused"
+        finally:
+            client.close()
+
+    def send(index: int) -> None:
+        while not hold.is_set():
+            with lock:
+                in_flight[0] += 1
+            answer = ask(index)
+            with lock:
+                in_flight[0] -= 1
+                before.append((index, answer))
+
+    def send_late(index: int) -> None:
+        after.append((index, ask(index, ready=late)))
+
+    with _serving(spin_artifact, log, "--max-batch", "1") as (process, http, grpc, _):
+        [tritonserver] = _children(process.pid)
+        for _ in range(3):  # TorchScript's profiling runs: slow
+            ask(0)
+        with ThreadPoolExecutor(senders + latecomers) as pool:
+            sending = [pool.submit(send, index) for index in range(senders)]
+            sending += [pool.submit(send_late, senders + i) for i in range(latecomers)]
+            try:
+                time.sleep(1)
+                hold.set()  # no more requests: those in flight have all arrived 0.1 s later
+                time.sleep(0.1)
+                with lock:
+                    arrived = in_flight[0]
+                signalled = time.monotonic()
+                process.send_signal(signal.SIGTERM)
+                time.sleep(0.2)
+            finally:
+                hold.set()
+                late.set()  # sent once the stop has begun
+            for each in sending:
+                each.result(timeout=60)  # raises what a sender found wrong
+            code = process.wait(60)
+            took = time.monotonic() - signalled
+    text = log.read_text()
+    assert code == 0 and took < 30, text[-3000:]
+    assert arrived >= 3, arrived  # one computed, the others queued behind it: else no test
+    refused_early = [index for index, answer in before if isinstance(answer, str)]
+    assert not refused_early, f"{len(refused_early)} of {len(before)} that had arrived refused"
+    with torch.no_grad():
+        expected = Spin().eval()(torch.from_numpy(rows[:, 0]), torch.tensor([SPIN_STEPS]))
+    for index, answer in before + [(i, a) for i, a in after if not isinstance(a, str)]:
+        np.testing.assert_allclose(answer[0], expected[index].numpy(), rtol=1e-4, atol=1e-5)
+    # Later requests are refused, but for the stop's margin: two batches per instance (of
+    # one request here) that may be numbered before the cutoff.
+    refused = sum(isinstance(answer, str) for _, answer in after)
+    assert len(after) == latecomers and refused >= latecomers - 2, refused
+    assert not _group(tritonserver), "a tritonserver or stub process survived"
+
+
+def test_a_second_signal_ends_the_stop_at_once_and_says_requests_may_be_cut_off(
+    spin_artifact, tmp_path
+):
+    log = tmp_path / "serve.log"
+    row = np.zeros((1, 16), np.float32)
+    with _serving(spin_artifact, log, "--max-batch", "1") as (process, http, _, _):
+        [tritonserver] = _children(process.pid)
+        client = triton.InferenceServerClient(f"127.0.0.1:{http}", network_timeout=120)
+        with ThreadPoolExecutor(1) as pool:
+            # Minutes of computing: the batch outlasts the drain's 30 s.
+            computing = pool.submit(_spin, triton, client, row, 10**6)
+            time.sleep(1)
+            process.send_signal(signal.SIGTERM)
+            time.sleep(1)
+            assert process.poll() is None  # waiting for the batch
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGINT)
+            code = process.wait(30)
+            took = time.monotonic() - signalled
+            assert computing.exception(timeout=30) is not None  # cut off
+        client.close()
+    said = [
+        line for line in log.read_text().splitlines() if line.startswith("bladesmith serve: error")
+    ]
+    assert code == 1 and took < 10, said
+    assert len(said) == 1 and "second signal" in said[0] and "may have been cut off" in said[0]
+    assert not _group(tritonserver), "a tritonserver or stub process survived"
+    assert not [name for name in os.listdir("/dev/shm") if f"_{process.pid}_" in name]
 
 
 def test_a_tritonserver_that_dies_leaves_no_stub_or_shared_memory_and_says_so(net_artifacts):

@@ -23,9 +23,10 @@ def add_parser(subparsers) -> None:
             "Server (bundled with nvidia-pytriton): HTTP, gRPC and Prometheus metrics, dynamic "
             "batching into the artifact's batch size (partial batches padded), one process "
             "per model instance. Listens on 127.0.0.1 unless --host says otherwise. Stops "
-            "on Ctrl-C or SIGTERM: refuses new requests (HTTP 503, gRPC UNAVAILABLE: send "
-            "them again), answers those being computed, then ends Triton and every process "
-            "it started (exit 1 when that was not clean)."
+            "on Ctrl-C or SIGTERM: answers the requests that had arrived (computed or "
+            "queued), refuses later ones (HTTP 503, gRPC UNAVAILABLE: send them again), "
+            "then ends Triton and every process it started; a second Ctrl-C or SIGTERM "
+            "ends them at once (exit 1 then, or when the stop was not clean)."
         ),
     )
     serve.add_argument("artifact", metavar="ARTIFACT", help=".pt2, .pt or .onnx artifact")

@@ -68,9 +68,10 @@ def serve(
     each in its own process; ``device`` is ``cpu``, ``cuda`` or ``cuda:0,1`` (default: the
     artifact's). ``image_dtype="uint8"`` serves a detector's images as uint8 (a quarter of
     the bytes; made float32 in [0, 1] on the device). ``block``: serve until SIGINT or
-    SIGTERM, then stop (new requests are refused with HTTP 503 / gRPC UNAVAILABLE, those
-    being computed answered); raises ``ServerStopError`` if tritonserver did not stop
-    cleanly (what was left of it is killed all the same); else return the started
+    SIGTERM, then stop (the requests that had arrived are answered, later ones refused
+    with HTTP 503 / gRPC UNAVAILABLE; a second signal ends the server without waiting);
+    raises ``ServerStopError`` if tritonserver did not stop cleanly or was stopped by a
+    second signal (what was left of it is killed all the same); else return the started
     ``Server`` (a context manager; ``stop()`` it).
     """
     ports = {"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port}
@@ -105,9 +106,11 @@ def serve(
     server.start()
     if not block:
         return server
-    stop = threading.Event()
+    # The first signal stops the server; a second one cuts the stop short.
+    stop, cut_short = threading.Event(), threading.Event()
     previous = {
-        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+        sig: signal.signal(sig, lambda *_: (cut_short if stop.is_set() else stop).set())
+        for sig in (signal.SIGINT, signal.SIGTERM)
     }
     try:
         model = name or Path(artifact).stem
@@ -120,12 +123,17 @@ def serve(
         )
         server.wait(stop)
     finally:
-        code = server.stop()
+        code = server.stop(cut_short=cut_short)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if not stop.is_set():
         raise ServerStopError(
             f"serve: tritonserver exited on its own (code {code}; its log is above)"
+        )
+    if cut_short.is_set():
+        raise ServerStopError(
+            "serve: stopped at a second signal without waiting for the requests under way: "
+            "they may have been cut off (tritonserver was ended and its shared memory removed)"
         )
     if server.stop_problem:
         raise ServerStopError(

@@ -5,8 +5,8 @@ buffer is shared between instances. The config's parameters name the artifact (b
 this file, with the operator libraries saved with it, which ``bladesmith.load`` loads),
 operator libraries to load first (``--load-library``), and the torch threads per instance.
 Each request is answered on its own: a bad one gets an error response, the rest of its
-dynamic batch is still run. Once bladesmith serve is stopping, each request is refused
-as unavailable (``bladesmith.serve.stopping`` says why).
+dynamic batch is still run. Once bladesmith serve is stopping, a batch of requests that
+arrived after the stop is refused as unavailable (``bladesmith.serve.stopping`` says how).
 """
 
 import json
@@ -30,8 +30,10 @@ class TritonPythonModel:
         from bladesmith.serve.stopping import admission
 
         self._bad_request = BadRequest
-        self._admitted = admission()
         self._name = args["model_name"]
+        self._admitted = admission(
+            self._name, args["model_version"], int(config.get("max_batch_size", 0))
+        )
 
         here = Path(args["model_repository"]) / args["model_version"]
         for library in json.loads(parameters.get("libraries", "[]")):
@@ -48,7 +50,7 @@ class TritonPythonModel:
         self.input_names = [spec.name for spec in self.runner.signature.inputs]
 
     def execute(self, requests):
-        with self._admitted() as admitted:
+        with self._admitted(len(requests)) as admitted:
             if not admitted:
                 # An error of its own for each response: the backend frees it with the
                 # response (one shared by several crashed tritonserver).

@@ -32,11 +32,11 @@ from bladesmith.errors import BladesmithError
 from bladesmith.serve import stopping
 
 STARTUP_TIMEOUT_S = 300.0
-# Stopping (``stopping`` says why so): the model instances refuse new requests and finish
-# the batches they are computing, within DRAIN_TIMEOUT_S; their answers reach the clients
-# within SEND_TIMEOUT_S; then tritonserver's processes, the Python backend's stubs
-# included, are ended. EXIT_TIMEOUT_S is tritonserver's own, where another signals it (it
-# gets SIGTERM when the process that started it dies).
+# Stopping (``stopping`` says why so): the model instances answer the requests that had
+# arrived (computed or queued) and refuse later ones, within DRAIN_TIMEOUT_S; their
+# answers reach the clients within SEND_TIMEOUT_S; then tritonserver's processes, the
+# Python backend's stubs included, are ended. EXIT_TIMEOUT_S is tritonserver's own, where
+# another signals it (it gets SIGTERM when the process that started it dies).
 DRAIN_TIMEOUT_S = 30.0
 SEND_TIMEOUT_S = 5.0
 EXIT_TIMEOUT_S = 5
@@ -189,10 +189,11 @@ class Server:
     """tritonserver on ``repository``; ``start()`` returns once it is ready.
 
     It listens on ``host`` (default 127.0.0.1: this machine only; "0.0.0.0": every
-    interface). ``stop()`` has the model instances refuse new requests (HTTP 503, gRPC
-    UNAVAILABLE) and answer those they are computing, then ends tritonserver and its
-    processes (the Python backend's stubs included) and removes its shared memory;
-    ``stop_problem`` says why a stop was not clean (None when it was).
+    interface). ``stop()`` has the model instances answer the requests that had arrived
+    (those being computed and those queued) and refuse later ones (HTTP 503, gRPC
+    UNAVAILABLE), then ends tritonserver and its processes (the Python backend's stubs
+    included) and removes its shared memory; ``stop_problem`` says why a stop was not
+    clean (None when it was).
     """
 
     def __init__(
@@ -313,24 +314,33 @@ class Server:
         while self.running() and not stop.wait(0.5):
             pass
 
-    def stop(self, timeout: float = DRAIN_TIMEOUT_S) -> int | None:
-        """Refuse new requests (HTTP 503, gRPC UNAVAILABLE), answer those being computed
-        (within ``timeout``), end tritonserver and whatever it started, and remove its
-        shared memory. tritonserver's exit code where it had exited by itself, else 0
-        (``stop_problem`` says what went wrong, None after a clean stop)."""
+    def stop(
+        self, timeout: float = DRAIN_TIMEOUT_S, cut_short: threading.Event | None = None
+    ) -> int | None:
+        """Answer the requests that had arrived (within ``timeout``), refuse later ones
+        (HTTP 503, gRPC UNAVAILABLE), end tritonserver and whatever it started, and remove
+        its shared memory; once ``cut_short`` is set, end them without waiting any longer
+        (requests may be cut off). tritonserver's exit code where it had exited by itself,
+        else 0 (``stop_problem`` says what went wrong, None after a clean stop)."""
         process, self._process = self._process, None
         code = None
         problems, left = [], []
         if process is not None:
             if process.poll() is None:
                 try:
-                    if not stopping.refuse_and_drain(Path(self._workdir.name), timeout):
-                        problems.append(f"requests were still being computed after {timeout:.0f} s")
+                    problems.append(
+                        stopping.refuse_and_drain(
+                            Path(self._workdir.name), timeout, self._pending, cut_short
+                        )
+                    )
                     # Not a problem when it times out: clients still sending (and refused)
                     # keep the connections busy to the end.
-                    stopping.wait_sent({self.http_port, self.grpc_port}, SEND_TIMEOUT_S)
-                except OSError as error:  # the work folder gone (a /tmp cleaner): end anyway
+                    stopping.wait_sent({self.http_port, self.grpc_port}, SEND_TIMEOUT_S, cut_short)
+                # The work folder gone (a /tmp cleaner) or its state garbled: end anyway.
+                except (OSError, ValueError) as error:
                     problems.append(f"the stop could not drain ({error})")
+                if cut_short is not None and cut_short.is_set():
+                    problems.append("the stop was cut short: requests may have been cut off")
                 exited = process.poll() is not None  # by itself, meanwhile (a crash)
                 left = _end_group(process.pid)  # tritonserver and its stubs
                 # Killed here, unless it had exited by itself meanwhile.
@@ -348,8 +358,13 @@ class Server:
             if owned is not None:
                 owned.cleanup()
         self._workdir = self._owns = None
-        self.stop_problem = "; ".join(problems) or None
+        self.stop_problem = "; ".join(filter(None, problems)) or None
         return code
+
+    def _pending(self) -> dict[str, int]:
+        """Each model version's requests in Triton's queue, from its metrics."""
+        with urllib.request.urlopen(self.metrics_url, timeout=2.0) as page:
+            return stopping.pending_requests(page.read().decode())
 
     def _remove_shared_memory(self) -> None:
         """This server's Python-backend regions left in /dev/shm (a crash leaves them)."""
