@@ -405,8 +405,6 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
 ):
     from http.client import HTTPConnection
 
-    import tritonclient.grpc as triton_grpc
-
     http, grpc, metrics = free_ports(3)
     log = tmp_path / "serve.log"
     command = [
@@ -424,11 +422,7 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
 
     def send(seed: int) -> None:  # one client per thread; bounded by time and count
         generator = np.random.default_rng(seed)
-        protocol = triton_grpc if seed % 2 else triton  # half over gRPC
-        if protocol is triton:
-            client = triton.InferenceServerClient(f"127.0.0.1:{http}", network_timeout=60)
-        else:
-            client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc}")
+        protocol, client = _client_of(seed, http, grpc)
         try:
             for _ in range(5000):
                 if stop_sending.is_set():
@@ -505,6 +499,16 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
     assert not leaked
 
 
+def _client_of(number: int, http: int, grpc: int):
+    """(tritonclient's protocol module, a client of it): HTTP for even ``number``s,
+    gRPC for odd ones, so that half of a test's clients use each."""
+    import tritonclient.grpc as triton_grpc
+
+    if number % 2:
+        return triton_grpc, triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc}")
+    return triton, triton.InferenceServerClient(f"127.0.0.1:{http}", network_timeout=60)
+
+
 SPIN_STEPS = 500  # tens of milliseconds a request here: requests queue behind one another
 
 
@@ -520,7 +524,6 @@ def _spin(protocol, client, x: np.ndarray, steps: int) -> np.ndarray:
 def test_a_stop_answers_the_requests_that_had_arrived_and_refuses_later_ones(
     spin_artifact, tmp_path
 ):
-    import tritonclient.grpc as triton_grpc
     from serve_testing import Spin
 
     log = tmp_path / "serve.log"
@@ -533,11 +536,7 @@ def test_a_stop_answers_the_requests_that_had_arrived_and_refuses_later_ones(
 
     def ask(index: int, ready: threading.Event | None = None) -> str | np.ndarray:
         """Row ``index``'s answer or "refused", sent once ``ready`` is set."""
-        protocol = triton_grpc if index % 2 else triton  # half over gRPC
-        if protocol is triton:
-            client = triton.InferenceServerClient(f"127.0.0.1:{http}", network_timeout=60)
-        else:
-            client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc}")
+        protocol, client = _client_of(index, http, grpc)
         try:
             if ready is not None:
                 ready.wait(60)
