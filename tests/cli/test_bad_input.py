@@ -140,6 +140,8 @@ def _table() -> list[tuple[str, str, str]]:
         ("optimize-exclude", "optimize {model} --exclude no_such_pass", "no_such_pass"),
         ("optimize-unknown-flag", "optimize {model} --frobnicate", "--frobnicate"),
         ("demo-batch-0", "demo --batch 0", "--batch"),
+        ("optimize-batch-twice", "optimize {model} --batch 2,2", "--batch"),
+        ("optimize-batch-word", "optimize {model} --batch 1,many", "--batch"),
         ("demo-missing-gpu", "demo --device cuda:99", "cuda:99"),
         ("bench-iters-word", "bench --iters x {model}", "--iters"),
         ("bench-nothing", "bench", "ARTIFACT"),

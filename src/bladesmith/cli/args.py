@@ -32,6 +32,27 @@ def at_least(minimum: int):
     return parse
 
 
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """argparse type for ``--batch``: one batch size, or several joined by commas
+    (``1,8,32``), each >= 1 and given once."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a batch size or sizes joined by commas (1,8,32); got {text!r}"
+        ) from None
+    if min(sizes) < 1 or len(set(sizes)) < len(sizes):
+        raise argparse.ArgumentTypeError(
+            f"expected batch sizes >= 1, each given once; got {text!r}"
+        )
+    return sizes
+
+
+def batches_said(sizes: tuple[int, ...]) -> str:
+    """``--batch``'s value as it is written: ``8``, ``1,8,32``."""
+    return ",".join(map(str, sizes))
+
+
 def port(text: str) -> int:
     """argparse type for a TCP port: 1 to 65535."""
     value = at_least(1)(text)

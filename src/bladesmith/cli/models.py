@@ -7,6 +7,8 @@ loaded by the engine's loader, the one ``optimize`` uses for a path.
 
 from __future__ import annotations
 
+from bladesmith.cli.args import batches_said
+
 BUILTIN_MODELS = {
     # name -> build_retinanet(backbone=...)
     "torchvision:retinanet_resnet50_fpn": "resnet50",
@@ -97,6 +99,7 @@ def image_flags_advice(args) -> str:
     and --batch."""
     height, width = args.input_size
     return (
-        f"give --input-size (now {height}x{width}) and --batch (now {args.batch}) that the "
+        f"give --input-size (now {height}x{width}) and --batch (now "
+        f"{batches_said(args.batch)}) that the "
         "model takes (it gets RGB images; other inputs: from Python)"
     )

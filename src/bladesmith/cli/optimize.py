@@ -16,6 +16,7 @@ from pathlib import Path
 from bladesmith.cli.args import (
     add_library_options,
     at_least,
+    batch_sizes,
     input_size,
     output_file,
     pass_name,
@@ -120,7 +121,14 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         metavar="HxW",
         help="image height x width (default: 480x640)",
     )
-    parser.add_argument("--batch", type=at_least(1), default=1, help="images per call")
+    parser.add_argument(
+        "--batch",
+        type=batch_sizes,
+        default=(1,),
+        metavar="N[,N...]",
+        help="images per call (default 1); several sizes (1,8,32) give test data of each, "
+        "the first timed: a .pt2 then holds a model for each, which serve uses as buckets",
+    )
     parser.add_argument("--warmup", type=at_least(0), help="warm-up runs per candidate")
     parser.add_argument("--iters", type=at_least(1), help="timed runs per candidate")
     parser.add_argument(
@@ -201,8 +209,13 @@ def run_demo(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     height, width = args.input_size
+    photographs = (
+        f"{args.batch[0]} photograph(s)"
+        if len(args.batch) == 1
+        else f"batches of {', '.join(map(str, args.batch))} photographs"
+    )
     lines = [
-        f"bladesmith demo: {DEFAULT_MODEL} on {device}, {args.batch} photograph(s) from "
+        f"bladesmith demo: {DEFAULT_MODEL} on {device}, {photographs} from "
         f"scikit-image resized to {height}x{width}, level {args.level}.",
     ]
     if device.type == "cpu" and args.iters is None:
@@ -221,9 +234,9 @@ def _model_and_inputs(args: argparse.Namespace):
     them (a list for the built-in detector, one batch tensor for a model file)."""
     from bladesmith.models.images import sample_images
 
-    images = sample_images(args.batch, args.input_size)
     model = model_or_file(args.model, args.input_size, args.weights)
-    return model, [(images,)] if isinstance(model, str) else [(list(images),)]
+    batches = [sample_images(size, args.input_size) for size in args.batch]
+    return model, [(images,) if isinstance(model, str) else (list(images),) for images in batches]
 
 
 def run_bench(args: argparse.Namespace) -> int:
