@@ -48,9 +48,10 @@ def batch_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def batches_said(sizes: tuple[int, ...]) -> str:
-    """``--batch``'s value as it is written: ``8``, ``1,8,32``."""
-    return ",".join(map(str, sizes))
+def batches_said(sizes: int | tuple[int, ...]) -> str:
+    """A ``--batch`` value as it is written: ``8``, ``1,8,32`` (export's takes one size,
+    optimize's several)."""
+    return str(sizes) if isinstance(sizes, int) else ",".join(map(str, sizes))
 
 
 def port(text: str) -> int:
