@@ -27,7 +27,7 @@ import torch
 
 from bladesmith._files import write_atomically
 from bladesmith.errors import BladesmithError
-from bladesmith.ops.namespaces import is_builtin
+from bladesmith.ops.namespaces import is_builtin, operators_in
 
 LIBRARY_FLAG = "--load-library"
 # Where a saved artifact's libraries go: a folder beside it, "<artifact>.libs".
@@ -186,11 +186,9 @@ def _schema_sources(namespace: str) -> set[str]:
     """The source files that registered the schemas of ``namespace``, as the dispatcher
     records them: TORCH_LIBRARY compiles its ``__FILE__`` into the library, where strip
     leaves it, and a library of kernels alone for the namespace holds another."""
-    prefix = f"{namespace}::"
     return {
         match.group(1)
-        for name in torch._C._dispatch_get_all_op_names()
-        if name.startswith(prefix)
+        for name in operators_in(namespace)
         for match in [_DEFINED_AT.search(torch._C._dispatch_dump(name))]
         if match is not None
     }

@@ -8,9 +8,10 @@ torch, torchvision or bladesmith (torch registers namespaces lazily, as its modu
 import: ``quantized_decomposed``, ``symm_mem``, ``_native``, ...); torch's registration
 helpers (``torch.library``, ``torch._library``) say nothing of the caller and are
 skipped, and an operator from ``torch.library.custom_op`` names its defining module
-instead. The fixed set below holds what the dispatcher cannot tell: TorchScript's node
-kinds (``prim::``, ``onnx::``), higher-order operators, and the few namespaces torch
-defines through its helpers alone or without saying where (``coor``, ``_test``).
+instead. The fixed set below names namespaces known to be theirs without a lookup:
+the common ones, and what the dispatcher cannot tell: TorchScript's node kinds
+(``prim::``, ``onnx::``), higher-order operators, and the few namespaces torch defines
+through its helpers alone or without saying where (``coor``, ``_test``).
 """
 
 from __future__ import annotations
@@ -87,15 +88,19 @@ def _registered_places(namespace: str) -> list[str]:
     for ``custom_op`` the defining module), torch's registration helpers left out."""
     from torch._library.custom_ops import OPDEFS
 
-    prefix = f"{namespace}::"
     places = []
-    for name in torch._C._dispatch_get_all_op_names():
-        if name.startswith(prefix):
-            places += _REGISTERED_AT.findall(torch._C._dispatch_dump(name))
-            definition = OPDEFS.get(name.split(".")[0])
-            if definition is not None:
-                places.append(definition._init_fn.__module__)
+    for name in operators_in(namespace):
+        places += _REGISTERED_AT.findall(torch._C._dispatch_dump(name))
+        definition = OPDEFS.get(name.split(".")[0])
+        if definition is not None:
+            places.append(definition._init_fn.__module__)
     return [place for place in places if not any(helper in place for helper in _HELPERS)]
+
+
+def operators_in(namespace: str) -> list[str]:
+    """The operators (with their overloads) registered in ``namespace`` in this process."""
+    prefix = f"{namespace}::"
+    return [name for name in torch._C._dispatch_get_all_op_names() if name.startswith(prefix)]
 
 
 def _in_packages(place: str) -> bool:
