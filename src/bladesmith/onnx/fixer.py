@@ -5,13 +5,13 @@ again and confirm in ONNX Runtime that its outputs did not change.
     result.applied     # the rewrites, each with the nodes it touched
     result.remaining   # findings `check` still reports on the fixed model
 
-The rewrites are bladesmith.onnx.fixes, each declaring the `check` rules it resolves.
-This module runs them: the given input shapes made static and the output shapes onnx's
-checker needs declared first, then each of fixes.STEPS (fold constant subgraphs, float
-shape arithmetic as integers, unused initializers, opset conversion), each kept only when
-onnx's checker accepts its result and the model's interface is unchanged: the same
-inputs and outputs, in order, with the same names, element types and ranks (else
-skipped, with the reason in `applied`). Then both models run on the same synthesised
+The rewrites are bladesmith.onnx.fixes, each declaring the `check` rules it resolves;
+this module runs them. First the given input shapes become static and the output shapes
+onnx's checker needs are declared. Then come fixes.STEPS (fold constant subgraphs, float
+shape arithmetic as integers, unused initializers, opset conversion). Each step is kept
+only when onnx's checker accepts its result and the model's interface is unchanged: the
+same inputs and outputs, in order, with the same names, element types and ranks (else it
+is skipped, with the reason in `applied`). Last, both models run on the same synthesised
 inputs in ONNX Runtime's CPU provider (fixes.equivalence), the model is written (one
 atomic write), and checked again.
 

@@ -43,10 +43,10 @@ class Context:
 
 @dataclass(frozen=True)
 class Fix:
-    """One rewrite: the Rewrite kind it records, the ids of the `check` rules whose
-    findings it resolves (none for one that only tidies), and `apply`, which rewrites the
-    model (it may change the model it is given) and returns the result, the same model
-    when nothing matched."""
+    """One rewrite. `kind`: the Rewrite kind it records; `resolves`: the ids of the
+    `check` rules whose findings it resolves (none for one that only tidies or prepares);
+    `apply`: the rewrite, which may change the model it is given and returns the result
+    (that model when nothing matched)."""
 
     kind: str
     resolves: tuple[str, ...]

@@ -28,6 +28,9 @@ class Verification:
 def compare_in_onnxruntime(
     original: onnx.ModelProto, fixed: onnx.ModelProto, shapes: dict[str, list[int]]
 ) -> Verification:
+    """`fixed` against `original` on inputs synthesised at `shapes`: "failed" names the
+    first output that differs; InvalidInputError when the original loads but cannot run
+    at the shapes the caller gave."""
     from bladesmith.verify import compare_tensors
 
     try:
