@@ -14,10 +14,20 @@ import pytest
 import torch
 
 from bladesmith.errors import BladesmithError
-from bladesmith.onnx.fixer import FixError, InvalidInputError, fix
+from bladesmith.onnx import fixes
+from bladesmith.onnx.fixer import FixError, InvalidInputError, Rewrite, fix
 
 fix_module = importlib.import_module("bladesmith.onnx.fixer")
 h = onnx.helper
+
+
+def replace_opset_conversion(monkeypatch, apply):
+    """fix's opset-conversion step rewritten by `apply(model, context)` instead."""
+    steps = [
+        fixes.Fix(step.kind, step.resolves, apply) if step.kind == "opset-conversion" else step
+        for step in fixes.STEPS
+    ]
+    monkeypatch.setattr(fixes, "STEPS", tuple(steps))
 
 
 def run(model_or_path, feeds):
@@ -209,11 +219,11 @@ def test_opset_is_converted_down_to_the_directml_ceiling(tmp_path):
 
 
 def test_outputs_that_change_raise_and_write_nothing(tmp_path, monkeypatch):
-    def break_model(model, targets, applied):
+    def break_model(model, context):
         model.graph.initializer[0].CopyFrom(models.const("w", np.zeros((4, 3, 3, 3))))
         return model
 
-    monkeypatch.setattr(fix_module, "_convert_opset", break_model)
+    replace_opset_conversion(monkeypatch, break_model)
     out = tmp_path / "out.onnx"
     with pytest.raises(FixError, match="outputs differ"):
         fix(save(models.float_resize_sizes(static=True), tmp_path), out, "tensorrt")
@@ -234,12 +244,12 @@ def test_result_serialises(tmp_path):
 
 
 def test_a_rewrite_the_checker_rejects_is_skipped_with_its_reason(tmp_path, monkeypatch):
-    def break_model(model, targets, applied):
-        applied.append(fix_module.Rewrite("opset-conversion", (), "opset 21 -> 20"))
+    def break_model(model, context):
+        context.applied.append(Rewrite("opset-conversion", (), "opset 21 -> 20"))
         model.graph.node.append(onnx.helper.make_node("Relu", ["nowhere"], ["z"], name="bad"))
         return model
 
-    monkeypatch.setattr(fix_module, "_convert_opset", break_model)
+    replace_opset_conversion(monkeypatch, break_model)
     out = tmp_path / "out.onnx"
     result = fix(save(models.relu(), tmp_path), out, "directml")
     (conversion,) = result.applied
@@ -358,12 +368,12 @@ def test_an_output_that_is_the_input_is_refused(tmp_path):
 
 
 def test_a_rewrite_that_changes_an_inputs_rank_is_skipped(tmp_path, monkeypatch):
-    def drop_a_dimension(model, targets, applied):
-        applied.append(fix_module.Rewrite("opset-conversion", (), "opset 21 -> 20"))
+    def drop_a_dimension(model, context):
+        context.applied.append(Rewrite("opset-conversion", (), "opset 21 -> 20"))
         del model.graph.input[0].type.tensor_type.shape.dim[0]
         return model
 
-    monkeypatch.setattr(fix_module, "_convert_opset", drop_a_dimension)
+    replace_opset_conversion(monkeypatch, drop_a_dimension)
     result = fix(save(models.relu(), tmp_path), tmp_path / "out.onnx", "directml")
     (conversion,) = result.applied
     assert conversion.detail == (
@@ -375,12 +385,12 @@ def test_a_fixed_model_that_cannot_run_on_the_inputs_is_not_said_to_differ(tmp_p
     """When ONNX Runtime cannot run the fixed model on the original's inputs, no outputs
     were compared: the error says so instead of "outputs differ"."""
 
-    def drop_a_dimension(model, targets, applied):
+    def drop_a_dimension(model, context):
         del model.graph.input[0].type.tensor_type.shape.dim[0]
         del model.graph.output[0].type.tensor_type.shape.dim[0]
         return model
 
-    monkeypatch.setattr(fix_module, "_convert_opset", drop_a_dimension)
+    replace_opset_conversion(monkeypatch, drop_a_dimension)
     monkeypatch.setattr(fix_module, "_same_interface", lambda before, after: None)
     out = tmp_path / "out.onnx"
     with pytest.raises(FixError) as raised:
