@@ -191,7 +191,7 @@ def torch_package_problem(device: str) -> str | None:
 
 def skip_where_torch_cannot_load_its_packages(device: str) -> None:
     """Skip a test of a ``.pt2`` on ``device`` where torch cannot load its own packages
-    (torch 2.11 on the H200: the README's known limits): bladesmith's save refuses there."""
+    (torch 2.11 on the H200: docs/limits.md): bladesmith's save refuses there."""
     problem = torch_package_problem(device)
     if problem:
         pytest.skip(f"torch's own AOTInductor packages do not load here: {problem}")

@@ -1,4 +1,4 @@
-"""PAI-Blade's PyTorch tutorial, as the README ports it, runs on bladesmith: the README's
+"""PAI-Blade's PyTorch tutorial, as docs/pai-blade.md ports it, runs on bladesmith: the page's
 block itself, on a small model (ResNet-18 at 64x64), on the GPU when there is one."""
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import bladesmith
 from bladesmith.errors import BladesmithError
 from bladesmith.passes.onnxruntime import OnnxRuntime
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "pai-blade.md"
 SRC = Path(__file__).resolve().parents[1] / "src"
 BLOCK = re.compile(r"<!-- pai-blade-tutorial -->\n```python\n(.*?)```", re.DOTALL)
 
 
 def tutorial_code() -> tuple[str, str]:
-    """The README's tutorial block on a small model, for this machine: (optimizing part,
+    """The page's tutorial block on a small model, for this machine: (optimizing part,
     deployment part)."""
-    code = BLOCK.search(README.read_text()).group(1)
+    code = BLOCK.search(PAGE.read_text()).group(1)
     code = code.replace("resnet50()", "resnet18()").replace("224, 224", "64, 64")
     if not torch.cuda.is_available():
         code = code.replace(".cuda()", "").replace('"gpu"', '"cpu"')

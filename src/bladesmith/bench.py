@@ -8,9 +8,9 @@ is timed with ``time.perf_counter``; on accelerators other than CUDA (mps, xpu) 
 synchronises after every iteration, so the clock sees the device's work.
 
 A speedup (``compare``) is never a ratio of two timings taken minutes apart, which on a
-busy machine reads a change of load as a speedup: the baseline and the candidate run in
-alternating rounds (A/B, then B/A, ...), each round's ratio is taken within the round, and
-the figure is the median of those ratios with an interval from the rounds' spread
+busy machine reads a change of load as a speedup. The baseline and the candidate run in
+alternating rounds (A/B, then B/A, ...), and each round's ratio is taken within the round.
+The figure is the median of those ratios, with an interval from the rounds' spread
 (``STATISTIC`` says so in words). ``Speedup.doubts`` lists what makes a figure implausible.
 
 torch is imported inside the functions that need it, so that reading a report (which

@@ -2,7 +2,7 @@
 
 It says where the optimized module runs (device, dtype), on what (the input shapes and
 dtypes it was built and verified for), what it returns, which passes shaped it, the
-tolerance its outputs were verified at, and how to save it: ``save_formats`` are those
+tolerance its outputs were verified at, and how to save it. ``save_formats`` are those
 that were saved, loaded back and gave outputs within that tolerance during
 ``optimize``; ``untried_formats`` those too long to build then (``bladesmith.save``
 builds them and checks them the same way); ``refused_formats`` the others, each with

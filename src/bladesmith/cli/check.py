@@ -3,10 +3,12 @@
     bladesmith check model.onnx --target tensorrt directml [--json]
     bladesmith fix model.onnx fixed.onnx --target tensorrt [--input-shape images:1,3,480,640]
 
-Exit codes: 0 clean (fix: written, verified, no errors left); 1 errors found (fix: errors
-remain, or the outputs changed and nothing was written); 2 bad input (a file that is not
-an ONNX model or not a valid graph, an unknown target, an output that cannot be written);
-3 (fix only) written with no errors left, but its outputs could not be compared.
+Exit codes:
+- 0 clean (fix: written, verified, no errors left).
+- 1 errors found (fix: errors remain, or the outputs changed and nothing was written).
+- 2 bad input (a file that is not an ONNX model or not a valid graph, an unknown target,
+  an output that cannot be written).
+- 3 (fix only) written with no errors left, but its outputs could not be compared.
 """
 
 from __future__ import annotations

@@ -68,10 +68,11 @@ def reference_under_noise(
 
 class Reference:
     """The model's outputs on the test inputs, compared by its family (``family``, when
-    one recognised the model); the tolerances of its float32 tensor outputs, measured
-    under float32 rounding noise (unless ``Config.atol`` sets them); and, for outputs that
-    rounding can flip (detections), the same under rounding noise: what rounding alone
-    flips is not held against a pass (run the first time a comparison fails without)."""
+    one recognised the model). It holds the tolerances of its float32 tensor outputs,
+    measured under float32 rounding noise (unless ``Config.atol`` sets them). For outputs
+    that rounding can flip (detections) it holds the same outputs under rounding noise:
+    what rounding alone flips is not held against a pass (run the first time a comparison
+    fails without)."""
 
     def __init__(self, outputs: list, given: Candidate, context: Context, family=None):
         self.outputs, self.model, self.context, self.family = outputs, given.module, context, family
@@ -210,11 +211,11 @@ class Reference:
         gate: each noisy run against the model, the others' flips excused, reaches at
         worst F1 ``f1`` with matched scores moved up to ``scores`` and each other field
         (masks, keypoints: ``verify.fields``) as far as it moved. A candidate may then
-        go that far (no further from the model than rounding alone moves it): in F1
-        only when the runs differ from the model in ``CHAOTIC_MISMATCHES`` detections or
-        more (a borderline detection or two that rounding flips is the excuses'
-        business, and a floor set by one flip would excuse any other), in scores and
-        the other fields whenever they moved past their tolerance. None when the model
+        go that far (no further from the model than rounding alone moves it). In F1 it
+        may only when the runs differ from the model in ``CHAOTIC_MISMATCHES`` detections
+        or more: a borderline detection or two that rounding flips is the excuses'
+        business, and a floor set by one flip would excuse any other. In scores and the
+        other fields it may whenever they moved past their tolerance. None when the model
         is steadier than the gate."""
         if self._floor is False:
             self._floor = self._own_spread(compare)

@@ -1,8 +1,8 @@
 """Deployment targets that `bladesmith check` knows, and what each one requires.
 
 A target is where an ONNX model is meant to run: an ONNX Runtime execution provider or a
-TensorRT engine. The facts below come from each vendor's documentation; the README's
-"Deployment targets" gives the sources and what to do about each rule. Operator lists,
+TensorRT engine. The facts below come from each vendor's documentation; docs/onnx.md
+gives the sources and what to do about each rule. Operator lists,
 opset ranges and restrictions are data: rules/operator_support.json, rules/restrictions.json.
 """
 

@@ -97,7 +97,8 @@ def missing_translation_message(name: str) -> str:
     return (
         f"ONNX export: operator {name} has no ONNX translation; register one with "
         f'{REGISTER_CALL}("{name}") (a custom node run by its PyTorch kernel), or with '
-        "onnxscript= or symbolic= for standard ONNX (README: the user's operators in ONNX)"
+        "onnxscript= or symbolic= for standard ONNX (docs/operators.md: the user's operators "
+        "in ONNX)"
     )
 
 

@@ -4,11 +4,11 @@ An AOTInductor package runs any input as the shapes and dtypes it was compiled f
 checks them only under AOTI_RUNTIME_CHECK_INPUTS=1), and a trace can keep its example's
 batch (``if x.size(0) > 1:`` is recorded as the branch the example took): either answers
 a call of another shape with rows read past the input, or computed for another batch.
-A loaded artifact therefore runs what it was built for (``BuiltFor``: its spec's input
-shapes and dtypes, and whether its batch is free, which its metadata records; a ``.pt2``
-holds one model per input signature of the test data) and refuses anything else in one
-line (``Checked``); so does the result of ``optimize`` that runs a trace keeping its
-example's batch.
+A loaded artifact therefore runs what it was built for and refuses anything else in one
+line (``Checked``). What it was built for (``BuiltFor``) is its spec's input shapes and
+dtypes and whether its batch is free, which its metadata records; a ``.pt2`` holds one
+model per input signature of the test data. The result of ``optimize`` that runs a trace
+keeping its example's batch refuses other inputs too.
 """
 
 from __future__ import annotations

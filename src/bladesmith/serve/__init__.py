@@ -67,12 +67,14 @@ def serve(
     ``instances`` model instances run side by side,
     each in its own process; ``device`` is ``cpu``, ``cuda`` or ``cuda:0,1`` (default: the
     artifact's). ``image_dtype="uint8"`` serves a detector's images as uint8 (a quarter of
-    the bytes; made float32 in [0, 1] on the device). ``block``: serve until SIGINT or
-    SIGTERM, then stop (the requests that had arrived are answered, later ones refused
-    with HTTP 503 / gRPC UNAVAILABLE; a second signal ends the server without waiting);
-    raises ``ServerStopError`` if tritonserver did not stop cleanly or was stopped by a
-    second signal (what was left of it is killed all the same); else return the started
-    ``Server`` (a context manager; ``stop()`` it).
+    the bytes; made float32 in [0, 1] on the device).
+
+    ``block``: serve until SIGINT or SIGTERM, then stop (the requests that had arrived are
+    answered, later ones refused with HTTP 503 / gRPC UNAVAILABLE; a second signal ends
+    the server without waiting). It raises ``ServerStopError`` if tritonserver did not
+    stop cleanly or was stopped by a second signal (what was left of it is killed all the
+    same). Without ``block`` it returns the started ``Server`` (a context manager; ``stop()``
+    it).
     """
     ports = {"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port}
     for flag, port in ports.items():

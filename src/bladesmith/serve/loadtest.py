@@ -12,11 +12,11 @@ numbers slightly differently in each slot of a batch (H200, RetinaNet in float32
 scores moved by up to 8.5e-5 between slot 0 and slot 8, and 0 when the row kept its
 slot; ``benchmarks/probe_serve_batches.py``), and with the size of the bucket it ran
 in. Floats are compared within the rounding of the dtype the model computes in (the
-server's ``compute_dtype``, else the output's), and a detector's answers as
+server's ``compute_dtype``, else the output's). A detector's answers are compared as
 ``optimize``'s gate compares detections: near ties that such a change flips are
-excused, and so is a detection that the row's own answers from other slots (asked
-beside the references, in batches of each bucket size) gain or lose, as the gate
-excuses what rounding noise flips; a mix-up is not. A wrong answer closer to another
+excused. So is a detection that the row's own answers from other slots (asked beside
+the references, in batches of each bucket size) gain or lose, as the gate excuses what
+rounding noise flips; a mix-up is not. A wrong answer closer to another
 row's reference than to its own is counted as mixed up: noise does not do that.
 
 The answers are checked after the clock stops, and the requests can come from several
@@ -24,9 +24,9 @@ processes (``processes``): one Python process's threads share one interpreter lo
 a fast server answers faster than they can send and read, so a single process would
 time the load generator. Until then each answer, reference and variant is kept as
 ``answers.compact`` makes it, once its request's time is taken: a detector's without its
-padding and with its masks packed to about a bit a pixel, judged the same (a Mask R-CNN's
+padding and with its masks packed to about a bit a pixel, judged the same. A Mask R-CNN's
 padded answer at 480x640, 123 MB with 100 detections, is kept in 3.9 MB; on a shared
-2-core CPU machine packing it took 30-60 ms, receiving it over loopback HTTP 420-840 ms).
+2-core CPU machine packing it took 30-60 ms, receiving it over loopback HTTP 420-840 ms.
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ its Python backend, on a model repository.
     with Server(repository, http_port=8000) as server:   # started, ready
         ...                                               # stopped on exit, requests drained
 
-The environment is set for the Python backend's stub: it embeds Python through
-``libpython``, and the system's libpython does not match an interpreter built elsewhere
+The environment is set for the Python backend's stub, which embeds Python through
+``libpython``. The system's libpython does not match an interpreter built elsewhere
 (pyenv, conda: model initialisation fails with "'_thread.RLock' object has no attribute
 '_recursion_count'"), so the running interpreter's own library directory goes first on
-LD_LIBRARY_PATH; the interpreter's ``bin`` goes first on PATH (the stub runs with the
+LD_LIBRARY_PATH. The interpreter's ``bin`` goes first on PATH (the stub runs with the
 virtual environment's packages).
 """
 
@@ -320,8 +320,8 @@ class Server:
         """Answer the requests that had arrived (within ``timeout``), refuse later ones
         (HTTP 503, gRPC UNAVAILABLE), end tritonserver and whatever it started, and remove
         its shared memory; once ``cut_short`` is set, end them without waiting any longer
-        (requests may be cut off). tritonserver's exit code where it had exited by itself,
-        else 0 (``stop_problem`` says what went wrong, None after a clean stop)."""
+        (requests may be cut off). Returns tritonserver's exit code where it had exited by
+        itself, else 0 (``stop_problem`` says what went wrong, None after a clean stop)."""
         process, self._process = self._process, None
         code = None
         problems, left = [], []

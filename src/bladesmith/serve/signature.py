@@ -301,10 +301,10 @@ class BucketRunner:
 
     def _add_smaller_buckets(self, module) -> dict[int, str]:
         """Keep each power of two below the artifact's batch (a .pt2's: each batch below
-        it that it holds a model for) where the artifact runs and answers seeded random
-        rows (a detector's: views of photographs) as it answers them in the first slots of
-        its own batch (within the rounding of the dtype it computes in); why each other one
-        was not."""
+        it that it holds a model for) where the artifact runs and answers alike. Alike:
+        seeded random rows (a detector's: views of photographs) answered there as in the
+        first slots of its own batch, within the rounding of the dtype it computes in.
+        Returns why each other one was not kept."""
         full = self.signature.bucket
         sizes, fixed = smaller_buckets(full), _only_at_its_batch(module)
         held = [size for size in getattr(module, "batches", ()) if size < full]

@@ -3,12 +3,12 @@ are refused as unavailable, and no client is told that the model does not exist.
 
 Triton 2.51 (the bundled server) answers a request for a model it is unloading, or has
 unloaded, with HTTP 404 / gRPC NOT_FOUND, which clients and load balancers take as
-final. Its own stop cannot avoid that: on SIGINT it refuses new HTTP connections but
+final. Its own stop cannot avoid that. On SIGINT it refuses new HTTP connections but
 answers the open ones until they close or its exit timeout passes, then unloads the
-models while gRPC still answers (NOT_FOUND for as long as that takes, seconds), and
-where clients kept their connections open that long it has no time left to unload them
-and exits with an error; unloading the models before the signal answers every request
-after that with 404.
+models while gRPC still answers (NOT_FOUND for as long as that takes, seconds). Where
+clients kept their connections open that long, it has no time left to unload them and
+exits with an error. Unloading the models before the signal answers every request after
+that with 404.
 
 So ``Server.stop`` does not let Triton unload anything: the model instances answer the
 requests that had arrived, those being computed and those queued behind them, and refuse
@@ -20,8 +20,8 @@ its instances in arrival order (one FIFO queue, no priorities), and its metrics 
 many wait in that queue (``nv_inference_pending_request_count``, updated as each request
 enters and leaves it). The instances count the requests they take (``taken``). At the
 stop the server reads the queue's length P, then ``taken`` S, and sets ``cutoff`` to
-S + P + two batches per instance: a batch per instance may have left the queue and not be
-counted yet when P is read, and instances count in the order they reach their gate, not
+S + P + two batches per instance. A batch per instance may have left the queue and not be
+counted yet when P is read. And instances count in the order they reach their gate, not
 the order they took from the queue, so up to a batch per instance may be counted ahead
 of an earlier one. An instance computes a batch whose first request's number (the
 requests taken before it, plus one) is at most the cutoff and refuses the others: a few

@@ -148,8 +148,8 @@ def compare_detections(
     are excused (counted in ``excused``), not counted against precision or recall.
     Likewise greedy NMS keeps one of two overlapping boxes of a class by score: when
     they overlap by at least ``tie_iou`` (torchvision detectors' NMS threshold) and
-    score that close, either choice is right, and such an unmatched pair is excused too,
-    with what follows from it: the box kept instead suppresses other neighbours, so an
+    score that close, either choice is right, and such an unmatched pair is excused too.
+    So is what follows from it: the box kept instead suppresses other neighbours, so an
     unmatched detection overlapping an excused one of the other list by ``tie_iou``
     (same class) is excused as well, and so on along such a chain of overlapping boxes
     of one class. "Close" is within twice the largest score change
@@ -166,10 +166,10 @@ def compare_detections(
 
     Every other field of a detection is compared on the matched pairs by its measure in
     ``verify.fields.MEASURES`` (masks by the pixels they flip at 0.5 and keypoints by
-    how far they move, relative to their box; keypoint scores like scores), at ``field_tolerances``
-    (by measure name) or the measure's default; one with no measure is listed in
-    ``unverified`` and named in the summary. The candidate must have the reference's
-    keys.
+    how far they move, relative to their box; keypoint scores like scores). It is held
+    to ``field_tolerances`` (by measure name) or the measure's default. A field with no
+    measure is listed in ``unverified`` and named in the summary. The candidate must
+    have the reference's keys.
     """
     _check_detections("reference", reference)
     if score_atol is None:

@@ -103,9 +103,9 @@ def _tie_consequences(
     iou, ref_labels, cand_labels, ref_matched, cand_matched, ref_seeds, cand_seeds, tie_iou: float
 ) -> tuple[int, int]:
     """Unmatched detections that a near tie's other choice (or a rounding flip: the
-    seeds) explains: the box one list kept instead of its twin suppresses different
+    seeds) explains. The box one list kept instead of its twin suppresses different
     neighbours, so an unmatched detection overlapping an excused one of the other list
-    by at least ``tie_iou``, same label, went the other way because of the tie; and so
+    by at least ``tie_iou``, same label, went the other way because of the tie. And so
     on along the chain, as a neighbour kept in one list suppresses its own neighbours
     there. Marks them matched (in place) and returns how many there are in the
     reference and in the candidate."""

@@ -8,7 +8,7 @@ Float32 outputs get an atol measured on the model itself (``noise_tolerances``).
 float32 pass changes where sums round: another summation order, weights with a batch
 norm folded in, another convolution algorithm. That moves the outputs by about what the
 model's own rounding moves them, which grows with the outputs' magnitude and with the
-reductions' sizes (sqrt(K) x eps for a K-term dot product) through every layer, so no
+reductions' sizes (sqrt(K) x eps for a K-term dot product) through every layer. So no
 fixed atol fits every model: ResNet-50's logits (up to 50) move by 4e-5 under a fold,
 past 1e-5; MobileNetV3's random-weight outputs are 1e-9 in all, under it. The model runs
 twice with each weight moved by the rounding of the arithmetic it runs in (float32: one

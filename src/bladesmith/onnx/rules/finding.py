@@ -11,8 +11,8 @@ SEVERITIES = ("error", "warning", "info")
 class Finding:
     """One rule's verdict on one node (or on the whole model, where node is None).
 
-    rule: stable id, e.g. "float-shape-arithmetic" (listed in the README's
-        "Deployment targets").
+    rule: stable id, e.g. "float-shape-arithmetic" (listed in docs/onnx.md's
+        "Rules").
     severity: "error" (will not build or run), "warning" (runs, but slower or fragile),
         "info" (worth knowing, e.g. a build needs an optimization profile).
     source: where the fact came from, when it is data rather than a rule of the target
