@@ -70,4 +70,5 @@ def test_the_image_size_is_found_in_any_input_structure():
     batch = torch.rand(2, 3, 64, 96)
     assert largest_image_size([(batch,), (torch.rand(1, 3, 32, 32),)]) == (96, 64)
     assert largest_image_size([(torch.randint(0, 9, (1, 16)),)]) is None  # token ids
+    assert largest_image_size([(torch.rand(1, 1, 16000),)]) is None  # a sound
     assert largest_image_size(None) is None

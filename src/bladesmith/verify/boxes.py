@@ -25,8 +25,10 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-# Channels of an image input: grey, RGB, RGBA.
+# Channels of an image input: grey, RGB, RGBA; and the smallest side one has (a signal
+# [1, 1, T] is not an image).
 _IMAGE_CHANNELS = (1, 3, 4)
+_IMAGE_SIDE = 8
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,8 @@ def looks_like_boxes(value, name, siblings: Sequence = ()) -> bool:
 
 def largest_image_size(inputs) -> tuple[int, int] | None:
     """The (width, height) of the largest image among ``inputs`` (any structure): a
-    floating-point tensor [..., C, H, W] with 1, 3 or 4 channels; None without one."""
+    floating-point tensor [..., C, H, W] with 1, 3 or 4 channels, H and W at least 8;
+    None without one."""
     if inputs is None:
         return None
     leaves = pytree.tree_leaves(_plain(inputs))
@@ -143,6 +146,7 @@ def largest_image_size(inputs) -> tuple[int, int] | None:
         and x.is_floating_point()
         and x.dim() >= 3
         and x.shape[-3] in _IMAGE_CHANNELS
+        and min(x.shape[-2:]) >= _IMAGE_SIDE
     ]
     if not sizes:
         return None
