@@ -180,3 +180,20 @@ def test_hardware_context_cuda(monkeypatch):
     assert context["microarchitecture"] == "NVIDIA H200"
     assert context["compute_capability"] == "9.0"
     assert context["memory_gb"] == 141.0
+
+
+def test_render_says_where_each_tolerance_comes_from():
+    accuracy = compare_outputs(
+        (torch.tensor([[0.0, 0.0, 10.0, 10.0]]), torch.tensor([0.5]), torch.tensor([3])),
+        (torch.tensor([[0.0, 0.0, 10.0, 10.0]]), torch.tensor([0.5]), torch.tensor([3])),
+        iou_threshold=0.5,
+        inputs=[(torch.rand(1, 3, 32, 32),)],
+    )
+    report = Report(accuracy=accuracy)
+    assert report.to_dict()["overall"]["accuracy"]["sources"] == accuracy.sources()
+    console = Console(record=True, width=200, file=io.StringIO())
+    report.render(console)
+    text = console.export_text()
+    assert "tolerance of out[0]: IoU 0.5 rule on a 32x32 image" in text
+    assert "tolerance of out[1]: the default for float32 outputs" in text
+    assert "tolerance of out[2]: exact: int64 outputs must be equal" in text

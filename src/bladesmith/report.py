@@ -232,6 +232,8 @@ class Report:
         if self.accuracy:
             verdict = "[green]passed[/]" if self.accuracy.get("passed") else "[red]FAILED[/]"
             console.print(f"Accuracy {verdict}: {escape(self.accuracy.get('summary', ''))}")
+            for source, paths in (self.accuracy.get("sources") or {}).items():
+                console.print(Text(f"  tolerance of {_paths(paths)}: {source}"))
         if self.throughput:
             rates = Table(title="Throughput", title_justify="left")
             for column in ("Batch", "p50 ms", "p99 ms", "Items/s"):
@@ -384,6 +386,12 @@ def _jsonable(value):
     if hasattr(value, "to_dict"):
         return _jsonable(value.to_dict())
     return str(value)
+
+
+def _paths(paths: list[str]) -> str:
+    """Outputs judged alike, named: the first three and how many more."""
+    shown = ", ".join(paths[:3])
+    return shown + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
 def _ms(value: float | None) -> str:

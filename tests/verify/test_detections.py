@@ -107,3 +107,24 @@ def test_malformed_detections():
     assert "candidate[0]: expected a dict with keys" in result.summary()
     images = compare_detections(reference, reference * 2)
     assert not images.passed and "2 images of detections" in images.summary()
+
+
+def test_labels_match_exactly_and_tolerances_say_where_they_come_from():
+    reference = [make_detections(seed=3)]
+    off_by_one = [{**reference[0], "labels": reference[0]["labels"] + 1}]
+    assert compare_detections(reference, off_by_one).f1 == 0.0
+    # Float labels a bfloat16 pipeline rounded: 2.99 is not class 2.
+    floats = reference[0]["labels"].float()
+    assert compare_detections(reference, [{**reference[0], "labels": floats}]).passed
+    rounded = [{**reference[0], "labels": floats - 0.01}]
+    result = compare_detections(reference, rounded)
+    assert not result.passed
+    assert "candidate labels are not whole numbers" in result.summary()
+    at_640 = compare_detections(reference, reference, iou_threshold=0.5, image_size=(640, 480))
+    assert at_640.box_ceiling == 320.0
+    assert at_640.source.startswith(
+        "matched by class and IoU 0.5 rule on a 640x480 image: a box keeps IoU >= 0.5"
+    )
+    assert at_640.source.endswith("scores within 0.005: floor for TF32 convolutions")
+    assert "(IoU rule: <= 320 px)" in at_640.summary()
+    assert at_640.to_dict()["source"] == at_640.source

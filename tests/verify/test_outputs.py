@@ -102,3 +102,75 @@ def test_compare_outputs_hands_each_detection_list_its_noisy_twins():
     noisy = [{"dets": [one_image([b, low], [0.9, 0.5])], "n": torch.ones(1)}]
     assert not compare_outputs(reference, candidate).passed
     assert compare_outputs(reference, candidate, noisy=noisy).passed
+
+
+def detector_tuple():
+    """A TorchScript detector's (boxes, scores, labels) on a 320 x 320 image."""
+    boxes = torch.tensor([[10.0, 20.0, 60.0, 90.0], [40.0, 30.0, 300.0, 310.0]])
+    return boxes, torch.tensor([0.9, 0.6]), torch.tensor([1, 7])
+
+
+def test_a_detector_tuple_under_bf16_is_judged_in_pixels_and_exact_labels():
+    """Under bfloat16 the measured tolerance of a detector's boxes was about 1,100 px on
+    a 320 px image: a box moved 248 px and a label off by one passed. Now the boxes are
+    held to the IoU rule (at 0.5: no coordinate past 160 px, each box IoU >= 0.5) and
+    labels are exact, and each tolerance says where it came from."""
+    from bladesmith.verify import noise_tolerances
+
+    reference = [detector_tuple()]
+    inputs = [([{"image": torch.rand(3, 320, 320)}],)]
+    floats = {"out[0][0]": reference[0][0], "out[0][1]": reference[0][1]}
+    noisy = [{"out[0][0]": reference[0][0] + 275.0, "out[0][1]": reference[0][1] + 0.01}]
+    measured = noise_tolerances(
+        floats,
+        noisy,
+        rtol=5e-2,
+        unit=2.0**-8,
+        unit_name="bfloat16",
+        margin=4.0,
+        computed_in="bfloat16",
+    )
+    moved_boxes = reference[0][0].clone()
+    moved_boxes[1, [0, 2]] -= 248.0  # [40, 300] -> [-208, 52]: IoU 0.02
+    candidate = [(moved_boxes, reference[0][1], reference[0][2] + torch.tensor([0, 1]))]
+
+    def judge(candidate, iou_threshold=0.5, tolerances=measured.tolerances):
+        return compare_outputs(
+            reference,
+            candidate,
+            rtol=5e-2,
+            atol=1100.0,
+            tolerances=tolerances,
+            iou_threshold=iou_threshold,
+            inputs=inputs,
+            computed_in=torch.bfloat16,
+            source="measured",
+        )
+
+    # Given 1,100 px, the boxes get what the IoU rule allows on the image.
+    unmeasured = judge(candidate, tolerances=None).outputs["out[0][0]"]
+    assert not unmeasured.passed and unmeasured.atol == unmeasured.ceiling == 160.0
+    assert unmeasured.source.startswith("IoU 0.5 rule on a 320x320 image: ")
+    assert "<= 160 px; within that, measured" in unmeasured.source
+    # Measured, they also get the bfloat16 ceiling: 5% of their range (300 px).
+    result = judge(candidate)
+    boxes, scores, labels = (result.outputs[f"out[0][{i}]"] for i in range(3))
+    assert not boxes.passed and not labels.passed and scores.passed
+    assert boxes.atol == boxes.ceiling == pytest.approx(15.0)
+    assert boxes.below_iou == 1 and boxes.min_iou < 0.03
+    assert boxes.source.startswith("IoU 0.5 rule on a 320x320 image: ")
+    assert "capped at 5% of its range 300 (15)" in boxes.source
+    assert labels.source == "exact: int64 outputs must be equal"
+    assert scores.source.startswith("bfloat16: 4 x what bfloat16 rounding")
+    assert set(result.to_dict()["sources"]) == {boxes.source, scores.source, labels.source}
+    strict_json(result.to_dict())
+    # The same outputs pass; a few pixels pass at 0.9, and a small box moved past its
+    # own IoU (but within the image's ceiling) fails.
+    assert judge(reference, 0.9).passed
+    nudged = reference[0][0] + torch.tensor([[1.0, -1.0, 1.0, 0.5], [3.0, 2.0, -4.0, 1.0]])
+    assert judge([(nudged, *reference[0][1:])], 0.9).passed
+    small = reference[0][0].clone()
+    small[0] += 10.0  # a 50 x 70 box moved 10 px: IoU 0.52, each coordinate within 15 px
+    shifted = judge([(small, *reference[0][1:])], 0.9).outputs["out[0][0]"]
+    assert not shifted.passed and shifted.below_iou == 1 and shifted.out_of_tolerance == 0
+    assert "1 boxes below it" in shifted.summary()

@@ -129,3 +129,28 @@ def test_numpy_integer_arrays_of_every_alias_compare_exactly(dtype):
 def test_a_big_endian_array_compares_by_value():
     reference = np.array([1, 2, 3], dtype=np.uint64)
     assert compare_tensors(reference.astype(">u8"), reference).passed
+
+
+def test_integers_and_bools_are_exact_whatever_tolerance_is_asked_for():
+    """Labels compared with a float tolerance let a class off by one pass."""
+    labels = torch.tensor([3, 17, 1, 80])
+    off_by_one = compare_tensors(labels, labels + torch.tensor([0, 1, 0, 0]), rtol=0.05, atol=1100)
+    assert not off_by_one.passed and off_by_one.out_of_tolerance == 1
+    assert (off_by_one.rtol, off_by_one.atol) == (0.0, 0.0)
+    assert off_by_one.source == "exact: int64 outputs must be equal"
+    mask = torch.tensor([[True, False], [False, True]])
+    flipped = compare_tensors(mask, ~mask, rtol=1.0, atol=1.0, ceiling=5.0)
+    assert not flipped.passed and flipped.source == "exact: bool outputs must be equal"
+
+
+def test_a_ceiling_caps_what_rtol_and_atol_allow():
+    reference = torch.tensor([1e6, 1e6 + 10.0])
+    moved = reference + torch.tensor([0.0, 100.0])
+    assert compare_tensors(reference, moved, rtol=5e-2, atol=1e-2).passed  # 5e4 allowed
+    capped = compare_tensors(
+        reference, moved, rtol=5e-2, atol=1e-2, ceiling=0.5, ceiling_source="5% of its range"
+    )
+    assert not capped.passed and capped.ceiling == 0.5
+    assert capped.source == "given, at most 5% of its range (0.5)"
+    assert "at most 0.5" in capped.summary()
+    assert capped.to_dict()["ceiling"] == 0.5

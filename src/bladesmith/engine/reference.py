@@ -192,6 +192,8 @@ class Reference:
                 field_tolerances=fields,
                 inputs=self.context.test_args,
                 allow_degenerate=config.allow_degenerate,
+                computed_in=dtype,
+                source=tolerance["why"],
             )
 
         comparison = compare(outputs, ())

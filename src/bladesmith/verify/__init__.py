@@ -1,9 +1,10 @@
 """Output comparison: tensors by tolerance and error statistics, detections by matching,
 any structure of them by path.
 
-``tolerance`` holds the policy (defaults by dtype, per-output overrides), ``tensors``
-and ``detections`` the comparators (``fields``: a detection's masks, keypoints and
-other fields), ``degenerate`` what makes a comparison compare
+``tolerance`` holds the policy (defaults by dtype, per-output overrides, the ceilings
+no tolerance passes, where each comes from), ``boxes`` what the IoU rule lets a box
+move, ``tensors`` and ``detections`` the comparators (``fields``: a detection's masks,
+keypoints and other fields), ``degenerate`` what makes a comparison compare
 nothing (``ties``: what rounding alone may change in a
 detector's output), ``outputs`` the walk over a model's output structure.
 """

@@ -4,7 +4,9 @@ Detections are a list, one per image, of dicts with "boxes" [n, 4], "scores" [n]
 "labels" [n], and any fields of their own (masks, keypoints: ``verify.fields``, compared
 on the matched pairs). Two equally correct detectors may emit the same boxes in another
 order, and NMS ties may resolve differently: what rounding alone explains is excused
-(``verify.ties``), and counted.
+(``verify.ties``), and counted. Labels match exactly (float labels must be whole
+numbers); a matched box keeps IoU >= the threshold, which bounds how far its
+coordinates move in the image (``verify.boxes``), as the summary says.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 import torch
 
 from bladesmith.verify._format import finite_or_none, ratio, sci
+from bladesmith.verify.boxes import box_rule
 from bladesmith.verify.fields import (
     MATCHED_KEYS,
     MEASURES,
@@ -27,7 +30,7 @@ from bladesmith.verify.fields import (
 )
 from bladesmith.verify.matching import box_iou, greedy_pairs
 from bladesmith.verify.ties import excuse
-from bladesmith.verify.tolerance import default_tolerance, detection_score_tolerance
+from bladesmith.verify.tolerance import default_tolerance, detection_score_rule
 
 
 @dataclass
@@ -55,6 +58,8 @@ class DetectionComparison:
     unverified: list[str] = field(default_factory=list)  # fields nothing compares
     tolerance_ratio: float = 0.0  # worst of the F1 shortfall and each deviation, as above
     reasons: list[str] = field(default_factory=list)
+    box_ceiling: float | None = None  # px: the most the IoU rule lets a coordinate move
+    source: str = ""  # where the box and score tolerances come from
 
     def summary(self) -> str:
         text = (
@@ -66,8 +71,9 @@ class DetectionComparison:
                 if self.excused
                 else ", "
             )
-            + f"max box dev {sci(self.max_box_deviation)} px, "
-            f"max score dev {sci(self.max_score_deviation)} (atol {sci(self.score_atol)})"
+            + f"max box dev {sci(self.max_box_deviation)} px"
+            + (f" (IoU rule: <= {sci(self.box_ceiling)} px), " if self.box_ceiling else ", ")
+            + f"max score dev {sci(self.max_score_deviation)} (atol {sci(self.score_atol)})"
             + "".join(f", {each.summary()}" for each in self.fields.values())
         )
         if self.unverified:
@@ -98,6 +104,8 @@ class DetectionComparison:
             "unverified": list(self.unverified),
             "tolerance_ratio": finite_or_none(self.tolerance_ratio),
             "reasons": list(self.reasons),
+            "box_ceiling": self.box_ceiling,
+            "source": self.source,
         }
 
 
@@ -130,6 +138,7 @@ def compare_detections(
     tie_iou=0.5,
     noisy=(),
     field_tolerances=None,
+    image_size=None,
 ) -> DetectionComparison:
     """Match candidate detections to reference ones, order-free, and score the match.
 
@@ -170,12 +179,25 @@ def compare_detections(
     to ``field_tolerances`` (by measure name) or the measure's default. A field with no
     measure is listed in ``unverified`` and named in the summary. The candidate must
     have the reference's keys.
+
+    Labels are compared exactly: candidate labels that are not whole numbers fail.
+    ``image_size`` (width, height) states the most a matched box's coordinate can move
+    (``verify.boxes``; within the reference boxes' extent where not given).
     """
     _check_detections("reference", reference)
     if score_atol is None:
-        score_atol = detection_score_tolerance(_dtype_of_scores(reference, candidate))
+        score_atol, scores_from = detection_score_rule(_dtype_of_scores(reference, candidate))
+    else:
+        scores_from = f"scores within {score_atol:.2g}: given"
+    boxes = [torch.as_tensor(item["boxes"]).reshape(-1, 4) for item in reference]
+    rule = box_rule(torch.cat(boxes) if boxes else torch.zeros(0, 4), iou_threshold, image_size)
     result = DetectionComparison(
-        passed=False, iou_threshold=iou_threshold, min_f1=min_f1, score_atol=score_atol
+        passed=False,
+        iou_threshold=iou_threshold,
+        min_f1=min_f1,
+        score_atol=score_atol,
+        box_ceiling=max(rule.ceiling),
+        source=f"matched by class and {rule.source}; {scores_from}",
     )
     try:
         _check_detections("candidate", candidate)
@@ -201,6 +223,8 @@ def compare_detections(
             )
         for key in unmeasured(ref):
             _once(result.unverified, key)
+        if not _whole_numbers(cand["labels"]):
+            _once(result.reasons, "candidate labels are not whole numbers: they must be equal")
         ref_boxes, ref_scores, ref_labels = _as_arrays(ref)
         cand_boxes, cand_scores, cand_labels = _as_arrays(cand)
         result.images += 1
@@ -334,6 +358,13 @@ def _dtype_of_scores(reference, candidate) -> torch.dtype:
         if isinstance(item, Mapping) and "scores" in item
     ]
     return max(dtypes, key=lambda dtype: default_tolerance(dtype)[0], default=torch.float32)
+
+
+def _whole_numbers(labels) -> bool:
+    labels = torch.as_tensor(labels)
+    if not (labels.is_floating_point() or labels.is_complex()):
+        return True
+    return bool((labels == labels.real.round()).all())
 
 
 def _as_arrays(detections):

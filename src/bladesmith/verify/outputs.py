@@ -1,5 +1,6 @@
 """Any structure of outputs compared with the reference's: tensors, sequences, dicts and
-detection lists, each by its own comparator, reported by path."""
+detection lists, each by its own comparator, reported by path, each with where its
+tolerance comes from (``Comparison.sources``)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bladesmith.verify._format import finite_or_none
+from bladesmith.verify._format import dtype_name, finite_or_none
+from bladesmith.verify.boxes import box_rule, largest_image_size, looks_like_boxes
 from bladesmith.verify.degenerate import TENSOR_LIKE, degenerate_reasons
 from bladesmith.verify.detections import DetectionComparison, compare_detections, is_detection_list
 from bladesmith.verify.tensors import TensorComparison, compare_tensors
-from bladesmith.verify.tolerance import Tolerance
+from bladesmith.verify.tolerance import Tolerance, is_half, spread_ceiling
 
 
 @dataclass
@@ -77,6 +79,13 @@ class Comparison:
             f"{path}: {closest.summary()}"
         ) + (f"; not verified: {', '.join(unverified)} (no measure)" if unverified else "")
 
+    def sources(self) -> dict[str, list[str]]:
+        """Where each output's tolerance comes from: {source: the paths judged by it}."""
+        found: dict[str, list[str]] = {}
+        for path, output in self.outputs.items():
+            found.setdefault(output.source, []).append(path)
+        return found
+
     def to_dict(self) -> dict:
         return {
             "kind": "outputs",
@@ -86,6 +95,7 @@ class Comparison:
             "reasons": list(self.reasons),
             "degenerate": list(self.degenerate),
             "outputs": {path: output.to_dict() for path, output in self.outputs.items()},
+            "sources": self.sources(),
         }
 
 
@@ -104,6 +114,9 @@ def compare_outputs(
     name: str = "out",
     inputs=None,
     allow_degenerate: bool = False,
+    computed_in: torch.dtype | None = None,
+    source: str | None = None,
+    image_size: tuple[int, int] | None = None,
 ) -> Comparison:
     """Compare a model's outputs with the reference's, whatever their structure.
 
@@ -118,12 +131,21 @@ def compare_outputs(
     (masks, keypoints, ... by measure name), for ``compare_detections``.
     ``inputs``: what the outputs were computed from, checked for NaN and inf. A
     comparison on nothing (``Comparison.degenerate``) fails unless ``allow_degenerate``.
+
+    Integer and bool tensors must be equal. A detector's boxes (``verify.boxes``) keep
+    IoU >= ``iou_threshold`` row by row and move no more than that rule allows in an
+    image of ``image_size`` (width, height; by default the largest image in
+    ``inputs``). Outputs ``computed_in`` float16 or bfloat16 move no more than
+    ``HALF_SPREAD_CEILING`` of their reference's range. ``source`` says where ``rtol``
+    and ``atol`` come from (a ``Tolerance``'s own source wins).
     """
     tolerances = dict(tolerances or {})
     result = Comparison(allow_degenerate=allow_degenerate)
     used: set = set()
+    if image_size is None:
+        image_size = largest_image_size(inputs)
 
-    def visit(path: str, last, ref, cand, noisy: list) -> None:
+    def visit(path: str, last, ref, cand, noisy: list, siblings=()) -> None:
         if is_detection_list(ref):
             result.outputs[path] = compare_detections(
                 ref,
@@ -133,6 +155,7 @@ def compare_outputs(
                 score_atol=score_atol,
                 field_tolerances=field_tolerances,
                 noisy=noisy,
+                image_size=image_size,
             )
         elif isinstance(ref, Mapping):
             if not isinstance(cand, Mapping):
@@ -144,7 +167,15 @@ def compare_outputs(
                 )
             else:
                 for key in ref:
-                    visit(f"{path}[{key!r}]", key, ref[key], cand[key], [n[key] for n in noisy])
+                    others = [value for other, value in ref.items() if other != key]
+                    visit(
+                        f"{path}[{key!r}]",
+                        key,
+                        ref[key],
+                        cand[key],
+                        [n[key] for n in noisy],
+                        others,
+                    )
         elif isinstance(ref, (list, tuple)):
             if not isinstance(cand, (list, tuple)):
                 result.reasons.append(f"{path}: expected a sequence, got {type(cand).__name__}")
@@ -152,7 +183,8 @@ def compare_outputs(
                 result.reasons.append(f"{path}: {len(cand)} items, the reference has {len(ref)}")
             else:
                 for index, (r, c) in enumerate(zip(ref, cand, strict=True)):
-                    visit(f"{path}[{index}]", index, r, c, [n[index] for n in noisy])
+                    others = [*ref[:index], *ref[index + 1 :]]
+                    visit(f"{path}[{index}]", index, r, c, [n[index] for n in noisy], others)
         elif isinstance(ref, TENSOR_LIKE):
             if not isinstance(cand, TENSOR_LIKE):
                 result.reasons.append(f"{path}: expected a tensor, got {type(cand).__name__}")
@@ -160,11 +192,23 @@ def compare_outputs(
             keys = [key for key in (path, last) if key in tolerances]
             override = tolerances[keys[0]] if keys else Tolerance()
             used.update(keys)
+            boxes = (
+                box_rule(torch.as_tensor(ref), iou_threshold, image_size)
+                if looks_like_boxes(ref, last, siblings)
+                else None
+            )
+            ceiling, of = override.ceiling, None
+            if ceiling is None and is_half(computed_in) and boxes is None:
+                ceiling, of = _half_ceiling(ref, computed_in)
             result.outputs[path] = compare_tensors(
                 ref,
                 cand,
                 rtol=override.rtol if override.rtol is not None else rtol,
                 atol=override.atol if override.atol is not None else atol,
+                ceiling=ceiling,
+                ceiling_source=of,
+                source=override.source or source,
+                boxes=boxes,
             )
         elif ref is None or isinstance(ref, str):
             if ref != cand:
@@ -184,6 +228,16 @@ def compare_outputs(
             f"outputs are {list(result.outputs)}"
         )
     return result
+
+
+def _half_ceiling(reference, computed_in: torch.dtype) -> tuple[float | None, str | None]:
+    """``spread_ceiling`` of a floating-point output computed in 16 bits, and why;
+    None for any other output."""
+    tensor = torch.as_tensor(reference)
+    if not tensor.is_floating_point():
+        return None, None
+    ceiling, of = spread_ceiling(tensor)
+    return ceiling, f"{of} in {dtype_name(computed_in)}"
 
 
 def tensor_paths(value, path: str = "out"):

@@ -5,6 +5,10 @@ A tensor element passes when ``|candidate - reference| <= atol + rtol * |referen
 the error distribution (max, mean and 99th percentile of absolute and relative error),
 not only pass or fail, and how far past its tolerance the worst element is, so that a
 rejected pass says by how much it moved the outputs.
+
+Integer and bool tensors must be equal, whatever tolerance is asked for. A ``ceiling``
+caps what any element may move; a detector's boxes (``verify.boxes``) are capped at
+what the IoU rule allows and each row must keep that IoU with its reference.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import torch
 
 from bladesmith.bench import percentile
 from bladesmith.verify._format import dtype_name, finite_or_none, sci
-from bladesmith.verify.tolerance import default_tolerance
+from bladesmith.verify.boxes import BoxRule, has_area, row_ious
+from bladesmith.verify.tolerance import default_tolerance, exact_source, is_exact
 
 
 @dataclass
@@ -43,23 +48,39 @@ class TensorComparison:
     # exact (integer) mismatch or a non-finite mismatch.
     tolerance_ratio: float = 0.0
     reasons: list[str] = field(default_factory=list)
+    source: str = ""  # where the tolerance comes from
+    ceiling: float | None = None  # the most any element may move, whatever rtol and atol
+    # Boxes (``verify.boxes``): the IoU each row must keep, the lowest kept, the rows below
+    iou_threshold: float | None = None
+    min_iou: float | None = None
+    below_iou: int = 0
+
+    @property
+    def exact(self) -> bool:
+        return self.rtol == 0 and self.atol == 0
 
     def summary(self) -> str:
         if self.reasons:
             return "; ".join(self.reasons)
         if self.numel == 0:
             return "empty, shapes match"
-        if self.rtol == 0 and self.atol == 0:
+        if self.exact:
             text = (
                 f"{self.out_of_tolerance}/{self.numel} differ, max abs {sci(self.max_abs)} "
                 "(must be equal)"
             )
         else:
+            unit = " px" if self.iou_threshold is not None else ""
+            at_most = f", at most {sci(self.ceiling)}{unit}" if self.ceiling is not None else ""
             text = (
-                f"max abs {sci(self.max_abs)} (atol {sci(self.atol)}), "
+                f"max abs {sci(self.max_abs)}{unit} (atol {sci(self.atol)}{at_most}), "
                 f"p99 rel {sci(self.p99_rel)} (rtol {sci(self.rtol)}), "
                 f"{self.out_of_tolerance}/{self.numel} out of tolerance"
             )
+        if self.iou_threshold is not None and self.min_iou is not None:
+            text += f", min IoU {self.min_iou:.3g} (>= {self.iou_threshold:g})"
+            if self.below_iou:
+                text += f", {self.below_iou} boxes below it"
         if self.nonfinite_mismatches:
             text += f", {self.nonfinite_mismatches} NaN/inf mismatches"
         if not self.passed and math.isfinite(self.tolerance_ratio):
@@ -87,23 +108,51 @@ class TensorComparison:
             "p99_rel": self.p99_rel,
             "tolerance_ratio": finite_or_none(self.tolerance_ratio),
             "reasons": list(self.reasons),
+            "source": self.source,
+            "ceiling": self.ceiling,
+            "iou_threshold": self.iou_threshold,
+            "min_iou": self.min_iou,
+            "below_iou": self.below_iou,
         }
 
 
-def compare_tensors(reference, candidate, rtol=None, atol=None) -> TensorComparison:
+def compare_tensors(
+    reference,
+    candidate,
+    rtol=None,
+    atol=None,
+    *,
+    ceiling: float | None = None,
+    ceiling_source: str | None = None,
+    source: str | None = None,
+    boxes: BoxRule | None = None,
+) -> TensorComparison:
     """Compare ``candidate`` with ``reference`` elementwise; tolerances default by dtype.
 
     When the dtypes differ within a kind (an fp16 candidate of an fp32 reference), the
-    looser default of the two applies. A different kind (float against integer), a
-    different shape, or NaN/inf where the other output has something else, fails.
-    Positions NaN in both, or the same infinity in both, agree.
+    looser default of the two applies. Integer and bool tensors must be equal, whatever
+    ``rtol`` and ``atol`` say. No element may move more than ``ceiling`` (whose
+    ``ceiling_source`` is added to ``source`` where that does not say it); ``boxes``
+    judges the tensor as boxes by that rule (its ceiling per coordinate, and each row's
+    IoU with its reference row). ``source`` says where the tolerances come from. A
+    different kind (float against integer), a different shape, or NaN/inf where the
+    other output has something else, fails. Positions NaN in both, or the same
+    infinity in both, agree.
     """
     reference = _as_tensor(reference).detach().cpu()
     candidate = _as_tensor(candidate).detach().cpu()
-    ref_rtol, ref_atol = default_tolerance(reference.dtype)
-    cand_rtol, cand_atol = default_tolerance(candidate.dtype)
-    rtol = max(ref_rtol, cand_rtol) if rtol is None else float(rtol)
-    atol = max(ref_atol, cand_atol) if atol is None else float(atol)
+    if is_exact(reference.dtype) or is_exact(candidate.dtype):
+        rtol, atol, ceiling, boxes = 0.0, 0.0, None, None
+        source = exact_source(reference.dtype)
+    else:
+        ref_rtol, ref_atol = default_tolerance(reference.dtype)
+        cand_rtol, cand_atol = default_tolerance(candidate.dtype)
+        if source is None:
+            looser = max(reference.dtype, candidate.dtype, key=default_tolerance)
+            defaults = rtol is None and atol is None
+            source = f"the default for {dtype_name(looser)} outputs" if defaults else "given"
+        rtol = max(ref_rtol, cand_rtol) if rtol is None else float(rtol)
+        atol = max(ref_atol, cand_atol) if atol is None else float(atol)
     if rtol < 0 or atol < 0:
         raise ValueError(f"tolerances must be >= 0, got rtol={rtol}, atol={atol}")
     result = TensorComparison(
@@ -113,7 +162,19 @@ def compare_tensors(reference, candidate, rtol=None, atol=None) -> TensorCompari
         reference_dtype=dtype_name(reference.dtype),
         rtol=rtol,
         atol=atol,
+        source=source,
     )
+    limit = None if ceiling is None else torch.tensor(float(ceiling), dtype=torch.float64)
+    if limit is not None and ceiling_source:
+        source = result.source = f"{source}, at most {ceiling_source} ({sci(ceiling)})"
+    if boxes is not None:
+        result.iou_threshold = boxes.iou_threshold
+        per_coordinate = boxes.per_coordinate()
+        limit = per_coordinate if limit is None else torch.minimum(limit, per_coordinate)
+        result.source = f"{boxes.source}; within that, {source}"
+    if limit is not None:
+        result.ceiling = float(limit.max())
+        result.atol = min(result.atol, result.ceiling)  # what is allowed, never past it
     if _kind(reference.dtype) != _kind(candidate.dtype):
         result.reasons.append(
             f"dtype {result.dtype} is not comparable with the reference's {result.reference_dtype}"
@@ -125,9 +186,27 @@ def compare_tensors(reference, candidate, rtol=None, atol=None) -> TensorCompari
     if result.reasons:
         result.tolerance_ratio = math.inf
         return result
-    _fill_statistics(result, reference, candidate)
-    result.passed = result.out_of_tolerance == 0
+    _fill_statistics(result, reference, candidate, limit)
+    if boxes is not None and result.numel:
+        _judge_rows(result, reference, candidate, boxes.iou_threshold)
+    result.passed = result.out_of_tolerance == 0 and result.below_iou == 0
     return result
+
+
+def _judge_rows(result: TensorComparison, reference, candidate, iou_threshold: float) -> None:
+    """Each box row with an area keeps IoU >= ``iou_threshold`` with its reference row
+    (padding rows and points are judged by their coordinates alone)."""
+    judged = has_area(reference)
+    if not judged.any():
+        return
+    ious = row_ious(reference, candidate)[judged]
+    result.min_iou = float(ious.min())
+    result.below_iou = int((ious < iou_threshold).sum())
+    if iou_threshold < 1:
+        ratio = float((1 - ious.min()) / (1 - iou_threshold))
+    else:
+        ratio = math.inf if result.below_iou else 0.0
+    result.tolerance_ratio = max(result.tolerance_ratio, ratio)
 
 
 def _as_tensor(value) -> torch.Tensor:
@@ -144,7 +223,7 @@ def _as_tensor(value) -> torch.Tensor:
     return torch.as_tensor(value)
 
 
-def _fill_statistics(result: TensorComparison, reference, candidate) -> None:
+def _fill_statistics(result: TensorComparison, reference, candidate, limit=None) -> None:
     result.numel = reference.numel()
     if result.numel == 0:
         return
@@ -157,15 +236,17 @@ def _fill_statistics(result: TensorComparison, reference, candidate) -> None:
 
     abs_err = (cand[finite] - ref[finite]).abs()
     ref_mag = ref[finite].abs()
-    if result.rtol == 0 and result.atol == 0:
+    allowed = result.atol + result.rtol * ref_mag
+    if limit is not None:
+        allowed = torch.minimum(allowed, limit.expand(reference.shape).flatten()[finite])
+    if result.exact:
         # Exact: compare in the native dtypes, as float64 cannot hold every int64.
         past = reference.flatten()[finite] != candidate.flatten()[finite]
     else:
-        past = abs_err > result.atol + result.rtol * ref_mag
+        past = abs_err > allowed
     result.out_of_tolerance = int(past.sum()) + result.nonfinite_mismatches
 
     if abs_err.numel():
-        allowed = result.atol + result.rtol * ref_mag
         ratio = torch.where(
             allowed > 0, abs_err / allowed.clamp_min(1e-300), torch.where(past, math.inf, 0.0)
         )

@@ -21,6 +21,14 @@ Outputs computed in float16 or bfloat16 (the precision passes) are measured the 
 way, with the weights moved by that type's rounding (``half_unit``) and a margin of
 ``HALF_NOISE_MARGIN``: a fixed tolerance rejected float16 for ResNet-50 whose logits
 moved 0.03 in float16, where rounding its weights to float16 moves them 0.07.
+
+However far rounding moves them, a 16-bit output is never allowed more than
+``HALF_SPREAD_CEILING`` of its reference's spread (``spread_ceiling``): past that, the
+type cannot tell the output's values apart and a tolerance would admit anything (an
+output of magnitude 1e6 varying by 10 moves by thousands under bfloat16 rounding).
+Integer and bool outputs are exact whatever tolerance is asked for, and a detector's
+boxes are judged by the IoU rule (``verify.boxes``). Each tolerance says where it came
+from (``Tolerance.source``), as the report prints it.
 """
 
 from __future__ import annotations
@@ -68,10 +76,47 @@ def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Override for one output; a field left None keeps the dtype's default."""
+    """Override for one output; a field left None keeps the dtype's default.
+    ``ceiling``: the most an element may move whatever rtol and atol give;
+    ``source``: where these come from, in a few words."""
 
     rtol: float | None = None
     atol: float | None = None
+    ceiling: float | None = None
+    source: str | None = None
+
+
+def is_exact(dtype: torch.dtype) -> bool:
+    """Integer and bool outputs (labels, indices, counts, masks as bits) must be equal."""
+    return not (dtype.is_floating_point or dtype.is_complex)
+
+
+def exact_source(dtype: torch.dtype) -> str:
+    return f"exact: {str(dtype).removeprefix('torch.')} outputs must be equal"
+
+
+def is_half(dtype: torch.dtype | None) -> bool:
+    return dtype in (torch.float16, torch.bfloat16)
+
+
+# The most a 16-bit output may move, as a fraction of its reference's range (max - min):
+# ResNet-50's logits span 92 and move 0.26 in bfloat16, against an allowance of 2.3
+# measured from rounding its weights; 5% (4.6) leaves that room and no more.
+HALF_SPREAD_CEILING = 0.05
+
+
+def spread_ceiling(reference, fraction: float = HALF_SPREAD_CEILING) -> tuple[float, str]:
+    """``fraction`` of the range of ``reference``'s finite values (of their largest
+    magnitude where all are equal: a single value has no range), and how it was got."""
+    values = torch.as_tensor(reference).detach().double().flatten()
+    values = values[torch.isfinite(values)]
+    if not values.numel():
+        return 0.0, "no finite value"
+    spread = float(values.max() - values.min())
+    if spread > 0:
+        return fraction * spread, f"{fraction:.0%} of its range {spread:.3g}"
+    magnitude = float(values.abs().max())
+    return fraction * magnitude, f"{fraction:.0%} of its magnitude {magnitude:.3g} (no range)"
 
 
 # Detection scores come out of a whole network, whose float32 convolutions run in TF32
@@ -80,12 +125,31 @@ class Tolerance:
 _DETECTION_SCORE_ATOL_FLOOR = 5e-3
 
 
+# Scores lie in [0, 1]: a tenth of that is the most rounding may move one (bfloat16's
+# default is 0.06), whatever the other outputs are judged at.
+DETECTION_SCORE_CEILING = 0.1
+
+
 def detection_score_tolerance(dtype: torch.dtype, judged_at: float = 0.0) -> float:
     """How far a matched detection's score may move: rtol + atol of ``dtype`` (scores
     lie in [0, 1]), never less than 5e-3, nor than ``judged_at`` (the rtol + atol the
-    other outputs are judged at)."""
+    other outputs are judged at), nor more than ``DETECTION_SCORE_CEILING``."""
+    return detection_score_rule(dtype, judged_at)[0]
+
+
+def detection_score_rule(dtype: torch.dtype, judged_at: float = 0.0) -> tuple[float, str]:
+    """``detection_score_tolerance`` and where it comes from."""
     rtol, atol = default_tolerance(dtype)
-    return max(rtol + atol, _DETECTION_SCORE_ATOL_FLOOR, judged_at)
+    name = str(dtype).removeprefix("torch.")
+    candidates = [
+        (rtol + atol, f"{name} default rtol + atol"),
+        (_DETECTION_SCORE_ATOL_FLOOR, "floor for TF32 convolutions"),
+        (judged_at, "the other outputs' rtol + atol"),
+    ]
+    value, why = max(candidates, key=lambda each: each[0])
+    if value > DETECTION_SCORE_CEILING:
+        value, why = DETECTION_SCORE_CEILING, f"ceiling, a tenth of [0, 1] ({why} is more)"
+    return value, f"scores within {value:.2g}: {why}"
 
 
 FLOAT32_NOISE = 2.0**-23  # float32's eps: a weight's last bit
@@ -143,24 +207,46 @@ def noise_tolerances(
     unit_name: str,
     margin: float = NOISE_MARGIN,
     computed_in: str = "float32",
+    spread_fraction: float | None = None,
 ) -> NoiseTolerances:
     """Per output of ``reference`` ({path: float tensor}): ``rtol``, and ``margin``
     times the most any of ``noisy_runs`` (the same outputs of the model with its
     weights moved by ``unit`` of themselves) moved it, or ``unit`` times the output's
     largest magnitude where noise moved it less (an output that no weight reaches).
-    ``computed_in`` names the arithmetic of the outputs judged, for the stated reason."""
-    tolerances, spread_of_all = {}, 0.0
+    ``computed_in`` names the arithmetic of the outputs judged, for the stated reason.
+    ``spread_fraction`` of each output's range caps its tolerance (``spread_ceiling``);
+    by default ``HALF_SPREAD_CEILING`` for float16 and bfloat16 outputs, none otherwise."""
+    if spread_fraction is None and computed_in in ("float16", "bfloat16"):
+        spread_fraction = HALF_SPREAD_CEILING
+    tolerances, spread_of_all, capped = {}, 0.0, 0
     for path, tensor in reference.items():
         spread = max(_max_abs(run[path] - tensor) for run in noisy_runs)
         spread_of_all = max(spread_of_all, spread)
-        atol = margin * max(spread, unit * _max_abs(tensor))
-        tolerances[path] = Tolerance(rtol=rtol, atol=atol)
+        moved = max(spread, unit * _max_abs(tensor))
+        atol = measured = margin * moved
+        ceiling = None
+        source = (
+            f"{computed_in}: {margin:g} x what {unit_name} rounding of the weights moved it "
+            f"({moved:.2g})"
+        )
+        if spread_fraction is not None:
+            ceiling, of = spread_ceiling(tensor, spread_fraction)
+            if measured > ceiling:
+                atol, capped = ceiling, capped + 1
+                source += f", capped at {of} ({ceiling:.2g})"
+            else:
+                source += f", under the ceiling of {of} ({ceiling:.2g})"
+        tolerances[path] = Tolerance(rtol=rtol, atol=atol, ceiling=ceiling, source=source)
     atol = max(t.atol for t in tolerances.values())
     why = (
         f"{computed_in} outputs within rtol {rtol:g} and atol {atol:.2g}: {margin:g} x the "
         f"most ({spread_of_all:.2g}) that {len(noisy_runs)} runs of the model with its "
         f"weights moved by the rounding of {unit_name} moved them"
     )
+    if spread_fraction is not None:
+        why += f", never more than {spread_fraction:.0%} of an output's range" + (
+            f" ({capped} of {len(tolerances)} capped there)" if capped else ""
+        )
     return NoiseTolerances(tolerances, rtol, atol, why)
 
 
