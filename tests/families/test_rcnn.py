@@ -157,7 +157,11 @@ def test_no_detection_over_the_threshold_gives_only_padding(faster):
     assert num.tolist() == [0] and (labels == -1).all() and (boxes == 0).all()
 
 
-@pytest.mark.parametrize("fixed_shapes", [None, True], ids=["cpu-compacted", "gpu-fixed"])
+@pytest.mark.parametrize(
+    "fixed_shapes",
+    [None, pytest.param(True, marks=pytest.mark.slow)],  # fixed shapes: fast in Faster R-CNN
+    ids=["cpu-compacted", "gpu-fixed"],
+)
 def test_mask_rcnn_equals_the_torchvision_model(mask, fixed_shapes):
     model, _ = mask
     pipeline = MaskRCNNPipeline(model, SIZE)
@@ -189,6 +193,7 @@ def test_paste_masks_equals_torchvision(seed):
     assert torch.allclose(paste_masks(masks[:, 0], boxes, (90, 110)), expected[:, 0], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_torchscript_save_loads_in_a_new_process(mask, tmp_path):
     # RoIAlign is torchvision's operator: the fresh process imports torchvision for it.
     assert_torchscript_loads_in_a_new_process(
@@ -196,10 +201,12 @@ def test_torchscript_save_loads_in_a_new_process(mask, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_torch_export(faster):
     assert_exports(faster[1], sample_images(2, SIZE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["domain", "standard"])
 def test_onnx_runtime_gives_pytorchs_detections(faster, tmp_path, mode):
     assert_onnx_runs_as_pytorch(
@@ -207,6 +214,7 @@ def test_onnx_runtime_gives_pytorchs_detections(faster, tmp_path, mode):
     )
 
 
+@pytest.mark.slow
 def test_mask_rcnn_onnx_runtime_gives_pytorchs_masks(mask, tmp_path):
     from torchvision.ops import box_iou
 
@@ -226,7 +234,7 @@ def test_mask_rcnn_onnx_runtime_gives_pytorchs_masks(mask, tmp_path):
     assert difference.max() < 1e-3, difference
 
 
-def test_errors_name_the_argument(faster, mask):
+def test_errors_name_the_argument(faster):
     with pytest.raises(TypeError, match="model: expected a torchvision Faster R-CNN"):
         FasterRCNNPipeline(torch.nn.Linear(2, 2), SIZE)
     with pytest.raises(TypeError, match="model: expected a torchvision Mask R-CNN"):
