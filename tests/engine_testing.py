@@ -94,7 +94,14 @@ def detections_through(model, photos, *pass_lists, device="cuda") -> list:
 
 def tiny_detector():
     """A RetinaNet (ResNet-18 FPN, 3 classes) at IMAGE_SIZE with a realistic load, and
-    one photograph for it."""
+    one photograph for it: a copy of each for every caller, built once per test run
+    (the calibration costs ten times the copy)."""
+    model, photos = _built_tiny_detector()
+    return copy.deepcopy(model), [photo.clone() for photo in photos]
+
+
+@functools.cache
+def _built_tiny_detector():
     from bladesmith.models.builtin import build_retinanet
     from bladesmith.models.images import sample_images
 

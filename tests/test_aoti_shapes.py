@@ -17,6 +17,8 @@ from engine_testing import Flags
 from test_reload import reload_in_new_process
 
 QUICK = Config(warmup=0, iters=1)
+# Every test builds an AOTInductor package (a C++ compile for each model).
+pytestmark = pytest.mark.slow
 
 
 def small_net() -> nn.Module:

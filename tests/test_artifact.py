@@ -96,6 +96,7 @@ def test_a_saved_onnx_refuses_other_values_of_arguments_held_as_constants(tmp_pa
         loaded(x, False)  # it held negate=True: never the answer for True, silently
 
 
+@pytest.mark.slow
 def test_aoti_package_round_trip_on_cpu(tmp_path):
     optimized, spec, x = optimized_net()
     assert ".pt2" in spec.untried_formats  # minutes to build: save checks it instead

@@ -46,6 +46,7 @@ def run_python(code: str, directory: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_the_readme_tutorial_runs_and_deploys_in_a_new_process(tmp_path):
     optimizing, deployment = tutorial_code()
     # Quick timing; ONNX Runtime left out so that the result is TorchScript (the refusal

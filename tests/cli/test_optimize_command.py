@@ -71,6 +71,7 @@ def test_optimize_a_model_file_then_bench_the_artifacts(tmp_path, model_file, ca
     assert "Artifacts" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_several_batch_sizes_give_a_pt2_of_a_model_for_each(tmp_path):
     import bladesmith
 

@@ -69,9 +69,10 @@ def as_list(outputs) -> list[dict]:
     ]
 
 
-def assert_padded_equal_reference(outputs, reference: list[dict]) -> None:
+def assert_padded_equal_reference(outputs, reference: list[dict], **tolerance) -> None:
     """Padded outputs hold the reference's detections (any order of equal scores),
-    descending, then padding (box 0, score 0, label -1)."""
+    descending, then padding (box 0, score 0, label -1); ``tolerance`` goes to
+    ``assert_same_detections``."""
     boxes, scores, labels, counts = outputs[:4]
     assert counts.dtype == labels.dtype == torch.int64
     for i, detections in enumerate(reference):
@@ -79,7 +80,9 @@ def assert_padded_equal_reference(outputs, reference: list[dict]) -> None:
         assert (labels[i, n:] == -1).all() and (scores[i, n:] == 0).all()
         assert (boxes[i, n:] == 0).all()
         assert (scores[i, : max(n - 1, 0)] >= scores[i, 1:n]).all()
-        assert_same_detections((boxes[i, :n], scores[i, :n], labels[i, :n]), detections)
+        assert_same_detections(
+            (boxes[i, :n], scores[i, :n], labels[i, :n]), detections, **tolerance
+        )
 
 
 def assert_realistic(reference: list[dict], at_least: int) -> None:

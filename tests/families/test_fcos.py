@@ -105,14 +105,17 @@ def test_realistic_load_is_busy(model, pipeline):
     assert first_level.min() >= 1000
 
 
+@pytest.mark.slow
 def test_torchscript_save_loads_in_a_new_process(pipeline, tmp_path):
     assert_torchscript_loads_in_a_new_process(pipeline, sample_images(2, SIZE), tmp_path)
 
 
+@pytest.mark.slow
 def test_torch_export(pipeline):
     assert_exports(pipeline, sample_images(2, SIZE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["domain", "standard"])
 def test_onnx_runtime_gives_pytorchs_detections(pipeline, model, tmp_path, mode):
     images = sample_images(2, SIZE)

@@ -28,6 +28,15 @@ SIZE = (160, 224)
 # Fewer proposals than torchvision's 1,000 keep the CPU tests short; every step is the
 # same at any count.
 SMALL = dict(num_classes=5, rpn_pre_nms_top_n_test=300, rpn_post_nms_top_n_test=200)
+# With fixed shapes the box predictor runs on every proposal slot (B x post_nms_top_n
+# rows), torchvision on the valid ones only: the CPU's matrix product picks its kernel by
+# the row count, so the class logits round differently and a score moves by up to 7e-7
+# (measured on the one-tensor backbone), past the default 5e-7 of equal arithmetic.
+FIXED_SHAPES = dict(score_atol=2e-6)
+
+
+def tolerance(fixed_shapes):
+    return FIXED_SHAPES if fixed_shapes else {}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +66,7 @@ def test_faster_rcnn_equals_the_torchvision_model(faster, fixed_shapes):
     reference, outputs = run_both(model, pipeline, sample_images(3, SIZE))
     assert_realistic(reference, 50)
     assert outputs[0].shape == (3, model.roi_heads.detections_per_img, 4)
-    assert_padded_equal_reference(outputs, reference)
+    assert_padded_equal_reference(outputs, reference, **tolerance(fixed_shapes))
 
 
 def test_a_resized_input_equals_the_torchvision_model(faster):
@@ -101,7 +110,7 @@ def test_a_backbone_returning_one_tensor_equals_the_torchvision_model(fixed_shap
     assert list(pipeline.grid_sizes) == ["0"]
     reference, outputs = run_both(model, pipeline, sample_images(2, SIZE))
     assert_realistic(reference, 20)
-    assert_padded_equal_reference(outputs, reference)
+    assert_padded_equal_reference(outputs, reference, **tolerance(fixed_shapes))
 
 
 def test_a_backbone_failing_on_fake_tensors_logs_no_traceback(capfd):
@@ -148,14 +157,18 @@ def test_no_detection_over_the_threshold_gives_only_padding(faster):
     assert num.tolist() == [0] and (labels == -1).all() and (boxes == 0).all()
 
 
-@pytest.mark.parametrize("fixed_shapes", [None, True], ids=["cpu-compacted", "gpu-fixed"])
+@pytest.mark.parametrize(
+    "fixed_shapes",
+    [None, pytest.param(True, marks=pytest.mark.slow)],  # fixed shapes: fast in Faster R-CNN
+    ids=["cpu-compacted", "gpu-fixed"],
+)
 def test_mask_rcnn_equals_the_torchvision_model(mask, fixed_shapes):
     model, _ = mask
     pipeline = MaskRCNNPipeline(model, SIZE)
     pipeline.fixed_shapes = fixed_shapes
     reference, outputs = run_both(model, pipeline, sample_images(2, SIZE))
     assert_realistic(reference, 50)
-    assert_padded_equal_reference(outputs, reference)
+    assert_padded_equal_reference(outputs, reference, **tolerance(fixed_shapes))
     masks = outputs[4]
     assert masks.shape == (2, model.roi_heads.detections_per_img, 1, *SIZE)
     for i, detections in enumerate(reference):
@@ -180,6 +193,7 @@ def test_paste_masks_equals_torchvision(seed):
     assert torch.allclose(paste_masks(masks[:, 0], boxes, (90, 110)), expected[:, 0], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_torchscript_save_loads_in_a_new_process(mask, tmp_path):
     # RoIAlign is torchvision's operator: the fresh process imports torchvision for it.
     assert_torchscript_loads_in_a_new_process(
@@ -187,10 +201,12 @@ def test_torchscript_save_loads_in_a_new_process(mask, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_torch_export(faster):
     assert_exports(faster[1], sample_images(2, SIZE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["domain", "standard"])
 def test_onnx_runtime_gives_pytorchs_detections(faster, tmp_path, mode):
     assert_onnx_runs_as_pytorch(
@@ -198,6 +214,7 @@ def test_onnx_runtime_gives_pytorchs_detections(faster, tmp_path, mode):
     )
 
 
+@pytest.mark.slow
 def test_mask_rcnn_onnx_runtime_gives_pytorchs_masks(mask, tmp_path):
     from torchvision.ops import box_iou
 
@@ -217,7 +234,7 @@ def test_mask_rcnn_onnx_runtime_gives_pytorchs_masks(mask, tmp_path):
     assert difference.max() < 1e-3, difference
 
 
-def test_errors_name_the_argument(faster, mask):
+def test_errors_name_the_argument(faster):
     with pytest.raises(TypeError, match="model: expected a torchvision Faster R-CNN"):
         FasterRCNNPipeline(torch.nn.Linear(2, 2), SIZE)
     with pytest.raises(TypeError, match="model: expected a torchvision Mask R-CNN"):

@@ -127,6 +127,7 @@ def test_half_network_keeps_float32_postprocessing(model):
     assert boxes.dtype == torch.float32 and scores.dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_the_v2_builtin_is_torchvisions_v2_and_its_pipeline_equals_it():
     # retinanet_resnet50_fpn_v2: GroupNorm in both heads, P6 made from C5 (2048 channels).
     from bladesmith.cli.models import model_or_file

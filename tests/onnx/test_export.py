@@ -523,6 +523,7 @@ def test_cli_rejects_an_unknown_model(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_cli_exports_the_builtin_retinanet(tmp_path, capsys):
     from bladesmith.cli import main
 

@@ -69,6 +69,8 @@ TORCH_LIBRARY_IMPL(gpu_only_ops, CUDA, m) { m.impl("twice", twice); }
 """,
 }
 SIZE = ["--input-size", "8x8", "--warmup", "0", "--iters", "1", "--device", "cpu"]
+# Every test needs the five libraries compiled (minutes on two cores).
+pytestmark = pytest.mark.slow
 
 _BUILD = """
 import sys, torch

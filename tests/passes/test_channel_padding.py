@@ -17,7 +17,7 @@ from bladesmith.passes.conv_fusion import ConvFusion, FusedConv2dReLU
 from bladesmith.passes.fixed_shape import FixedShape
 from bladesmith.passes.head_packing import HeadPacking
 from bladesmith.verify import compare_detections
-from engine_testing import context_for, cuda, detections_through, tiny_detector
+from engine_testing import context_for, cuda, detections_through
 
 CPU = torch.device("cpu")
 
@@ -79,11 +79,6 @@ def test_skips_models_whose_channels_need_no_padding():
     model = nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv2d(8, 16, 1))
     reason = ChannelPadding().skip_reason(Candidate(model, CPU), context_for((None,)))
     assert reason == "every convolution has channel counts cuDNN takes as they are"
-
-
-@pytest.fixture(scope="module")
-def detector():
-    return tiny_detector()
 
 
 @pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}")

@@ -20,7 +20,7 @@ from bladesmith.passes.conv_fusion import ConvFusion, FusedConv2dReLU, FusedResi
 from bladesmith.passes.fixed_shape import FixedShape
 from bladesmith.passes.head_packing import HeadPacking
 from bladesmith.verify import compare_detections
-from engine_testing import context_for, cuda, detections_through, randomize_norms, tiny_detector
+from engine_testing import context_for, cuda, detections_through, randomize_norms
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}")
 
@@ -135,11 +135,6 @@ def test_fused_model_exports_plain_convolutions_to_onnx_and_keeps_the_operator_t
     with torch.no_grad():
         torch.testing.assert_close(exported.module()(x), net(x))
         torch.testing.assert_close(loaded(x), net(x))
-
-
-@pytest.fixture(scope="module")
-def detector():
-    return tiny_detector()
 
 
 def test_detector_with_a_packed_head_is_fused_where_both_heads_see_it(detector):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -250,6 +251,7 @@ def test_linear_bf16_runs_a_transformers_mlps_in_bfloat16_and_leaves_attention_a
         assert record.status != "failed", record.reason
 
 
+@pytest.mark.slow
 def test_roi_heads_bf16_runs_a_two_stage_detectors_heads_alone_in_bfloat16_and_saves(
     tmp_path, monkeypatch
 ):
@@ -307,6 +309,7 @@ def test_roi_heads_bf16_runs_a_two_stage_detectors_heads_alone_in_bfloat16_and_s
     assert same.passed, same
 
 
+@pytest.mark.slow
 def test_roi_heads_bf16_runs_torchvisions_own_roi_heads_in_bfloat16(monkeypatch):
     """A torchvision detector that fixed_shape does not convert (Keypoint R-CNN): the
     heads of torchvision's RoIHeads (it calls them as layers) run in bfloat16; before,

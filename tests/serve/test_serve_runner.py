@@ -166,6 +166,7 @@ def test_an_artifact_that_runs_only_at_its_batch_keeps_one_bucket(net_artifacts,
         np.testing.assert_allclose(answer["output_0"], expected(part)[0], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_an_aotinductor_package_is_not_tried_at_another_batch(tmp_path, capsys):
     # It runs the shapes it was compiled for only: at batch 1 it is refused.
     from serve_testing import optimized_net
@@ -182,6 +183,7 @@ def test_an_aotinductor_package_is_not_tried_at_another_batch(tmp_path, capsys):
     np.testing.assert_allclose(answer["output_0"], expected(x)[0], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_an_aotinductor_package_of_several_batches_serves_each_as_a_bucket(tmp_path, capsys):
     """Test data of batches 1 and 4 gives a .pt2 of a model for each: its largest is the
     served batch, and one row runs in the model of 1, not padded to 4."""
