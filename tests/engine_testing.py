@@ -95,8 +95,8 @@ def detections_through(model, photos, *pass_lists, device="cuda") -> list:
 def tiny_detector():
     """A RetinaNet (ResNet-18 FPN, 3 classes) at IMAGE_SIZE with a realistic load, and
     one photograph for it."""
-    from bladesmith.models.builtin import build_retinanet
-    from bladesmith.models.images import sample_images
+    from bladesmith.images import sample_images
+    from bladesmith.models import build_retinanet
 
     model = build_retinanet(IMAGE_SIZE, backbone="resnet18", num_classes=3)
     return model, list(sample_images(1, IMAGE_SIZE))
