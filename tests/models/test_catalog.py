@@ -91,3 +91,25 @@ def test_the_command_line_says_a_wrong_weights_file_in_one_line(content, tmp_pat
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "--weights" in err and str(path) in err
+
+
+def test_the_families_and_what_they_use_import_no_layer_above_them():
+    """The built-in models are built on the families: neither the families nor the
+    modules below them (images, convs) import models/, the passes or the engine."""
+    import ast
+    from pathlib import Path
+
+    import bladesmith
+
+    root = Path(bladesmith.__file__).parent
+    above = ("bladesmith.models", "bladesmith.passes", "bladesmith.engine", "bladesmith.cli")
+    for path in [*sorted((root / "families").glob("*.py")), root / "images.py", root / "convs.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                assert not name.startswith(above), f"{path.name} imports {name}"
