@@ -38,8 +38,8 @@ from bladesmith.families import family_of
 from bladesmith.families.fcos import build_fcos
 from bladesmith.families.rcnn import build_rcnn
 from bladesmith.families.ssd import build_ssd
-from bladesmith.models.builtin import build_retinanet
-from bladesmith.models.images import sample_images
+from bladesmith.images import sample_images
+from bladesmith.models import build_retinanet
 
 BUILDERS = {
     "retinanet": lambda size: build_retinanet(size),

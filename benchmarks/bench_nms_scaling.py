@@ -34,8 +34,8 @@ def photograph(device) -> tuple:
     photograph: its scores vary smoothly over the image, so boxes of one class overlap in
     clusters, as a trained model's do around objects."""
     from bladesmith.families.retinanet import RetinaNetPipeline
-    from bladesmith.models.builtin import build_retinanet
-    from bladesmith.models.images import sample_images
+    from bladesmith.images import sample_images
+    from bladesmith.models import build_retinanet
 
     pipeline = RetinaNetPipeline(build_retinanet(IMAGE), IMAGE).to(device)
     cls_logits, bbox_deltas = pipeline.head_outputs(sample_images(1, IMAGE, device=device))

@@ -27,8 +27,8 @@ import torch
 
 from bladesmith.bench import METHOD_PERF_COUNTER, Timing, measure
 from bladesmith.families.retinanet import RetinaNetPipeline
-from bladesmith.models.builtin import build_retinanet
-from bladesmith.models.images import sample_images
+from bladesmith.images import sample_images
+from bladesmith.models import build_retinanet
 from bladesmith.onnx import export, session
 from bladesmith.verify import compare_detections
 

@@ -30,8 +30,8 @@ import torch
 import bladesmith
 from bladesmith.bench import measure
 from bladesmith.engine.reference import reference_under_noise
-from bladesmith.models.builtin import build_retinanet
-from bladesmith.models.images import sample_images
+from bladesmith.images import sample_images
+from bladesmith.models import build_retinanet
 from bladesmith.verify import compare_detections
 
 

@@ -27,8 +27,8 @@ import bladesmith
 from bench_optimize import Timer
 from bladesmith.artifact import OptimizedModule
 from bladesmith.config import Config
-from bladesmith.models.builtin import build_retinanet
-from bladesmith.models.images import sample_images
+from bladesmith.images import sample_images
+from bladesmith.models import build_retinanet
 from bladesmith.passes import Candidate, Context
 from bladesmith.passes.registry import create_all
 

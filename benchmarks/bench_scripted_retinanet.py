@@ -27,8 +27,8 @@ import torch
 import bladesmith
 from bladesmith.bench import measure
 from bladesmith.families.retinanet import RetinaNetPipeline
-from bladesmith.models.builtin import build_retinanet
-from bladesmith.models.images import sample_images
+from bladesmith.images import sample_images
+from bladesmith.models import build_retinanet
 from bladesmith.runtimes.torchscript import quiet_torchscript
 from bladesmith.verify import compare_detections
 

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 import bladesmith
-from bladesmith.models.builtin import build_retinanet
-from bladesmith.models.images import sample_images
+from bladesmith.images import sample_images
+from bladesmith.models import build_retinanet
 from bladesmith.passes import winograd
 from bladesmith.verify import compare_detections
 

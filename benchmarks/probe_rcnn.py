@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench_families import BUILDERS
 from bladesmith.config import Config
-from bladesmith.models.images import sample_images
+from bladesmith.images import sample_images
 from bladesmith.passes import Candidate, Context
 from bladesmith.passes.registry import create_all
 

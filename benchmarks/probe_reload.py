@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 import bladesmith
+from bladesmith.images import sample_images
 from bladesmith.models import build_retinanet
-from bladesmith.models.images import sample_images
 
 _CHILDREN = {
     "bladesmith.load": """
@@ -185,7 +185,7 @@ def main() -> None:
             "retinanet18",
             detector,
             [(images,)],
-            f"from bladesmith.models.images import sample_images; "
+            f"from bladesmith.images import sample_images; "
             f"return ([i.to({device!r}) for i in sample_images(1, ({height}, {width}))],)",
         )
     )

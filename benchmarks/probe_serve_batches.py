@@ -25,7 +25,7 @@ import torch
 
 import bladesmith
 from bladesmith.families.retinanet import RetinaNetPipeline
-from bladesmith.models.builtin import build_retinanet
+from bladesmith.models import build_retinanet
 from bladesmith.passes import registry
 from bladesmith.serve.signature import BucketRunner
 

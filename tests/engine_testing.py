@@ -102,8 +102,8 @@ def tiny_detector():
 
 @functools.cache
 def _built_tiny_detector():
-    from bladesmith.models.builtin import build_retinanet
-    from bladesmith.models.images import sample_images
+    from bladesmith.images import sample_images
+    from bladesmith.models import build_retinanet
 
     model = build_retinanet(IMAGE_SIZE, backbone="resnet18", num_classes=3)
     return model, list(sample_images(1, IMAGE_SIZE))

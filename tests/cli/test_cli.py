@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from bladesmith.cli import EXIT_BROKEN_PIPE, main
+from bladesmith.cli import EXIT_BROKEN_PIPE, build_parser, main
 from bladesmith.devices import DeviceInfo
 from bladesmith.environment import DoctorResult, OpsStatus, Package, Pitfall, Tool, Toolchain
 
@@ -166,3 +167,26 @@ def test_a_closed_stdout_ends_a_command_that_prints_through_rich_quietly():
         os.close(write_end)
     assert done.stderr.decode() == ""
     assert done.returncode == EXIT_BROKEN_PIPE
+
+
+def _commands(parser, path=()):
+    """(command path, its parser) for every command and subcommand."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*path, name), sub
+                yield from _commands(sub, (*path, name))
+
+
+def test_every_command_taking_load_library_defines_it_alike():
+    flags = {
+        " ".join(path): action
+        for path, sub in _commands(build_parser())
+        for action in sub._actions
+        if "--load-library" in action.option_strings
+    }
+    assert {"optimize", "bench", "export onnx", "export triton", "serve"} <= flags.keys()
+    for command, action in flags.items():
+        assert action.metavar == "PATH" and action.default == [], command
+        assert action.help.startswith("a shared library of the model's own operators"), command
+        assert action.help.endswith("; repeatable"), command

@@ -14,7 +14,7 @@ import torch
 import bladesmith
 from bladesmith.config import Config
 from bladesmith.families.fcos import build_fcos
-from bladesmith.models.images import sample_images
+from bladesmith.images import sample_images
 from bladesmith.verify import compare_detections
 
 SIZE = (128, 160)

@@ -12,7 +12,7 @@ import torch
 
 import bladesmith
 from bladesmith.families.rcnn import build_rcnn
-from bladesmith.models.images import sample_images
+from bladesmith.images import sample_images
 from bladesmith.passes import Candidate, Pass
 from bladesmith.passes.fixed_shape import FixedShape
 

@@ -14,7 +14,7 @@ from family_testing import (
 from torchvision.models.detection import FCOS
 
 from bladesmith.families.fcos import FCOSPipeline, build_fcos
-from bladesmith.models.images import sample_images
+from bladesmith.images import sample_images
 from bladesmith.verify import compare_detections
 
 SIZE = (160, 224)

@@ -21,7 +21,7 @@ from bladesmith.families.rcnn import (
     calibrate_rcnn,
     paste_masks,
 )
-from bladesmith.models.images import sample_images
+from bladesmith.images import sample_images
 from engine_testing import cuda
 
 SIZE = (160, 224)

@@ -2,9 +2,8 @@ import pytest
 import torch
 
 from bladesmith.families.base import DetectionsAsList
-from bladesmith.families.retinanet import RetinaNetPipeline
-from bladesmith.models.builtin import build_retinanet
-from bladesmith.models.images import sample_images
+from bladesmith.families.retinanet import RetinaNetPipeline, build_retinanet
+from bladesmith.images import sample_images
 from bladesmith.verify import compare_detections
 
 SIZE = (64, 96)

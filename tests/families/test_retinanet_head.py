@@ -7,10 +7,9 @@ import torch
 from torch import nn
 
 from bladesmith.config import Config
-from bladesmith.families.retinanet import FAMILY, RetinaNetPipeline
+from bladesmith.families.retinanet import FAMILY, RetinaNetPipeline, build_retinanet
 from bladesmith.families.retinanet_head import PackedRetinaNetHead, pack_levels, packing_problem
-from bladesmith.models.builtin import build_retinanet
-from bladesmith.models.images import sample_images
+from bladesmith.images import sample_images
 from bladesmith.passes import Candidate, Context
 from bladesmith.passes.head_packing import HeadPacking
 

@@ -15,7 +15,7 @@ from family_testing import (
 from torchvision.models.detection.ssd import SSD
 
 from bladesmith.families.ssd import SSDPipeline, build_ssd
-from bladesmith.models.images import sample_images
+from bladesmith.images import sample_images
 from bladesmith.verify import compare_detections
 from engine_testing import cuda
 

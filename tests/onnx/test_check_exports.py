@@ -15,8 +15,8 @@ from bladesmith.onnx.exporter import export
 @pytest.fixture(scope="module")
 def retinanet_pipeline():
     from bladesmith.families.retinanet import RetinaNetPipeline
-    from bladesmith.models.builtin import build_retinanet
-    from bladesmith.models.images import sample_images
+    from bladesmith.images import sample_images
+    from bladesmith.models import build_retinanet
 
     size = (64, 96)
     model = build_retinanet(size, num_classes=3, backbone="resnet18")

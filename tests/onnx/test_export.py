@@ -257,8 +257,8 @@ def test_batched_nms_equals_torchvisions_class_aware_nms(tmp_path, mode, seed):
 @pytest.fixture(scope="module")
 def tiny_retinanet():
     from bladesmith.families.retinanet import RetinaNetPipeline
-    from bladesmith.models.builtin import build_retinanet
-    from bladesmith.models.images import sample_images
+    from bladesmith.images import sample_images
+    from bladesmith.models import build_retinanet
 
     size = (64, 96)
     model = build_retinanet(size, num_classes=3, backbone="resnet18")

@@ -263,7 +263,7 @@ def test_roi_heads_bf16_runs_a_two_stage_detectors_heads_alone_in_bfloat16_and_s
     from bladesmith import fresh_load
     from bladesmith.config import Config
     from bladesmith.families.rcnn import FasterRCNNPipeline, build_rcnn
-    from bladesmith.models.images import sample_images
+    from bladesmith.images import sample_images
     from bladesmith.passes.precision import RoIHeadsBFloat16
     from bladesmith.verify import compare_detections
     from bladesmith.verify.tolerance import detection_score_tolerance

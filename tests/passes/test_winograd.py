@@ -174,8 +174,8 @@ def test_torchscript_runs_the_operator_and_exporters_see_a_convolution(winograd_
 
 def test_detector_with_winograd_then_torchscript_keeps_its_detections(winograd_wins):
     from bladesmith.families.base import DetectionsAsList
-    from bladesmith.models.builtin import build_retinanet
-    from bladesmith.models.images import sample_images
+    from bladesmith.images import sample_images
+    from bladesmith.models import build_retinanet
 
     size = (128, 160)
     model = build_retinanet(size, backbone="resnet18", num_classes=3)

@@ -56,7 +56,7 @@ def detector_artifact(tmp_path_factory):
 def mask_artifact(tmp_path_factory):
     """The tiny Mask R-CNN's fixed-shape padded pipeline at batch 2 (served with masks
     besides the detections), saved as TorchScript; and its two photographs."""
-    from bladesmith.models.images import sample_images
+    from bladesmith.images import sample_images
     from bladesmith.passes.fixed_shape import FixedShape
     from engine_testing import Memoized
 

@@ -62,19 +62,26 @@ def port(text: str) -> int:
     return value
 
 
-def add_library_options(parser: argparse.ArgumentParser) -> None:
+def add_load_library(parser: argparse.ArgumentParser, note: str = "") -> None:
     """``--load-library PATH`` (repeatable): the user's operator libraries, loaded
-    (``torch.ops.load_library``) before the command reads a model; ``--onnx-op NAME``
-    (repeatable): such an operator exported to ONNX as a custom node that ONNX Runtime
-    runs with its PyTorch kernel (``bladesmith.onnx.register_op(NAME)``). ``main``
-    applies both before the command runs."""
+    (``torch.ops.load_library``) before the command reads a model; ``note`` says more
+    in the help, after "loaded first"."""
     parser.add_argument(
         "--load-library",
         action="append",
         default=[],
         metavar="PATH",
-        help="a shared library of the model's own operators (TORCH_LIBRARY); repeatable",
+        help=f"a shared library of the model's own operators (TORCH_LIBRARY), loaded first"
+        f"{note}; repeatable",
     )
+
+
+def add_library_options(parser: argparse.ArgumentParser) -> None:
+    """``--load-library`` and ``--onnx-op NAME`` (repeatable): such an operator exported to
+    ONNX as a custom node that ONNX Runtime runs with its PyTorch kernel
+    (``bladesmith.onnx.register_op(NAME)``). ``main`` applies both before the command
+    runs."""
+    add_load_library(parser)
     parser.add_argument(
         "--onnx-op",
         action="append",

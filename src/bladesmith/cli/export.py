@@ -90,7 +90,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from bladesmith.models.images import sample_images
+    from bladesmith.images import sample_images
     from bladesmith.onnx.exporter import export
 
     model, output_names = _load_model(args)
@@ -215,10 +215,11 @@ def _check_runs(model, images, args) -> None:
     import torch
 
     from bladesmith._files import first_line
-    from bladesmith.cli.models import BUILTIN_MODELS, DETECTORS, image_flags_advice
+    from bladesmith.cli.models import image_flags_advice
     from bladesmith.errors import BladesmithError
+    from bladesmith.models.catalog import CATALOG
 
-    if args.model in BUILTIN_MODELS or args.model in DETECTORS:  # built for the size
+    if args.model in CATALOG:  # built for the size
         return
     try:
         with torch.no_grad():

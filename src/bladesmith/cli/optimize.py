@@ -232,7 +232,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def _model_and_inputs(args: argparse.Namespace):
     """The model to optimize and its test data: photographs of --input-size, --batch of
     them (a list for the built-in detector, one batch tensor for a model file)."""
-    from bladesmith.models.images import sample_images
+    from bladesmith.images import sample_images
 
     model = model_or_file(args.model, args.input_size, args.weights)
     batches = [sample_images(size, args.input_size) for size in args.batch]
@@ -340,7 +340,7 @@ def _load_for_bench(path: str) -> tuple[dict, object, object]:
     import bladesmith
     from bladesmith.errors import BladesmithError
     from bladesmith.families import family_named
-    from bladesmith.models.images import sample_images
+    from bladesmith.images import sample_images
     from bladesmith.spec import OUTPUT_PADDED
 
     artifact = bladesmith.load(path)

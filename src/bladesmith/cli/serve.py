@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from bladesmith.cli.args import at_least, output_file, port
+from bladesmith.cli.args import add_load_library, at_least, output_file, port
 
 
 def add_parser(subparsers) -> None:
@@ -85,13 +85,8 @@ def add_parser(subparsers) -> None:
 
 
 def add_deployment_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--load-library",
-        action="append",
-        default=[],
-        metavar="LIB",
-        help="an operator library the artifact needs besides those saved with it "
-        "(ARTIFACT.libs/, used without this flag), loaded first (repeatable)",
+    add_load_library(
+        parser, " (besides those saved with the artifact in ARTIFACT.libs/, used without it)"
     )
     parser.add_argument(
         "--max-batch",

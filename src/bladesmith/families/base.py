@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bladesmith.models.images import as_batch
+from bladesmith.images import as_batch
 from bladesmith.verify import Comparison, compare_outputs
 
 

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from bladesmith.models.images import sample_images
+from bladesmith.images import sample_images
 
 # Photographs the calibration looks at; the load holds on each of them.
 CALIBRATION_PHOTOS = 3

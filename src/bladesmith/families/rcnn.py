@@ -326,14 +326,7 @@ def _resize_weights(start, end, size: int, source: int) -> torch.Tensor:
     return weights * inside[..., None]
 
 
-VARIANTS = (
-    "fasterrcnn_resnet50_fpn",
-    "fasterrcnn_resnet50_fpn_v2",
-    "fasterrcnn_mobilenet_v3_large_fpn",
-    "fasterrcnn_mobilenet_v3_large_320_fpn",
-    "maskrcnn_resnet50_fpn",
-    "maskrcnn_resnet50_fpn_v2",
-)
+_BUILDERS = ("fasterrcnn_", "maskrcnn_")  # the prefixes of torchvision's builders
 # Spread of the calibrated box classifier's logits: with 91 classes, about 100 (proposal,
 # class) pairs of a photograph then score over 0.05, as a trained model's on a busy image.
 _CLASS_LOGIT_STD = 2.0
@@ -352,10 +345,12 @@ def build_rcnn(
     fitted to real photographs and its objectness and class logits spread as a trained
     model's, so that proposals and detections are many and varied. ``settings`` go to
     the torchvision builder (``rpn_post_nms_top_n_test=...``)."""
-    from torchvision.models import detection
+    from torchvision.models import detection, list_models
 
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}; got {variant!r}")
+    # Every Faster and Mask R-CNN builder torchvision has (the keypoint one has no family).
+    variants = [name for name in list_models(detection) if name.startswith(_BUILDERS)]
+    if variant not in variants:
+        raise ValueError(f"variant must be one of {', '.join(variants)}; got {variant!r}")
     height, width = steps.check_image_size(image_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

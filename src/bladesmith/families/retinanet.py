@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bladesmith.families import calibration
 from bladesmith.families import detection_steps as steps
 from bladesmith.families.base import DetectionFamily
 from bladesmith.families.retinanet_head import PackedRetinaNetHead, packing_problem
@@ -22,6 +23,8 @@ from bladesmith.families.retinanet_head import PackedRetinaNetHead, packing_prob
 # A trained RetinaNet on a busy image keeps more than this many candidates per level
 # over the score threshold; fewer means post-processing is timed under a light load.
 REALISTIC_CANDIDATES = 1000
+# What build_retinanet calibrates random weights to: a little over that on every level.
+_CALIBRATED_CANDIDATES = 1200
 
 
 class RetinaNetPipeline(steps.OneStagePipeline):
@@ -168,6 +171,63 @@ def is_retinanet(model: object) -> bool:
     from torchvision.models.detection.retinanet import RetinaNet
 
     return isinstance(model, RetinaNet)
+
+
+# resnet50_v2: torchvision's retinanet_resnet50_fpn_v2 (GroupNorm in the heads, P6 from C5).
+BACKBONES = ("resnet50", "resnet18", "resnet50_v2")
+
+
+def build_retinanet(
+    image_size: tuple[int, int] = (480, 640),
+    realistic_load: bool = True,
+    num_classes: int = 91,
+    backbone: str = "resnet50",
+    seed: int = 0,
+) -> nn.Module:
+    """A seeded random-weight torchvision RetinaNet in eval mode whose transform keeps
+    ``image_size`` as is (nothing is downloaded). With ``realistic_load`` the
+    classification layer is calibrated on real photographs so that at least 1,200
+    candidates per level pass the score threshold, spread over a trained model's range
+    of scores: post-processing then works as hard as for a trained model on a busy image.
+    """
+    from torchvision.models import resnet18
+    from torchvision.models.detection import retinanet_resnet50_fpn, retinanet_resnet50_fpn_v2
+    from torchvision.models.detection.backbone_utils import _resnet_fpn_extractor
+    from torchvision.models.detection.retinanet import RetinaNet
+    from torchvision.ops.feature_pyramid_network import LastLevelP6P7
+
+    if backbone not in BACKBONES:
+        raise ValueError(f"backbone must be one of {', '.join(BACKBONES)}; got {backbone!r}")
+    height, width = steps.check_image_size(image_size)
+    # min_size/max_size equal to the image's sides make the transform's resize a no-op.
+    sizes = {"min_size": min(height, width), "max_size": max(height, width)}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if backbone in ("resnet50", "resnet50_v2"):
+            build = retinanet_resnet50_fpn if backbone == "resnet50" else retinanet_resnet50_fpn_v2
+            model = build(weights=None, weights_backbone=None, num_classes=num_classes, **sizes)
+        else:
+            body = _resnet_fpn_extractor(
+                resnet18(), 5, returned_layers=[2, 3, 4], extra_blocks=LastLevelP6P7(256, 256)
+            )
+            model = RetinaNet(body, num_classes, **sizes)
+    model.eval()
+    if realistic_load:
+        calibrate_retinanet(model, (height, width))
+    return model
+
+
+@torch.no_grad()
+def calibrate_retinanet(model: nn.Module, image_size: tuple[int, int]) -> None:
+    """Scale and shift the classification layer of a random-weight RetinaNet so that
+    every level keeps at least 1,200 candidates over the score threshold on real
+    photographs, with logits spread like a trained model's."""
+    pipeline = RetinaNetPipeline(model, image_size)
+    cls_layer = model.head.classification_head.cls_logits
+    cls_layer.bias.zero_()
+    raw = pipeline.head_outputs(calibration.photos(image_size))[0]
+    target = calibration.logit(model.score_thresh)
+    calibration.calibrate(cls_layer, raw, pipeline.level_sizes, target, _CALIBRATED_CANDIDATES)
 
 
 class RetinaNetFamily(DetectionFamily):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bladesmith.models.convs import is_same_size_3x3
+from bladesmith.convs import is_same_size_3x3
 
 
 def pack_levels(shapes: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], tuple[int, int]]:

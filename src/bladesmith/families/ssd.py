@@ -70,9 +70,6 @@ class SSDPipeline(steps.OneStagePipeline):
         return self.transform.to_image(boxes), scores, labels, num
 
 
-VARIANTS = ("ssdlite320_mobilenet_v3_large", "ssd300_vgg16")
-
-
 def build_ssd(
     variant: str = "ssdlite320_mobilenet_v3_large",
     realistic_load: bool = True,
@@ -82,10 +79,12 @@ def build_ssd(
     """A seeded random-weight torchvision SSD in eval mode (it resizes every image to
     its own fixed size); with ``realistic_load`` its class logits spread as a trained
     model's, so that scores over the threshold are many and varied."""
-    from torchvision.models import detection
+    from torchvision.models import detection, list_models
 
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}; got {variant!r}")
+    # Every SSD builder torchvision has: ssd300_vgg16, ssdlite320_mobilenet_v3_large.
+    variants = [name for name in list_models(detection) if name.startswith("ssd")]
+    if variant not in variants:
+        raise ValueError(f"variant must be one of {', '.join(variants)}; got {variant!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(detection, variant)(

@@ -19,9 +19,10 @@ CHECKPOINT_KEYS = ("model", "state_dict", "model_state_dict", "net", "weights")
 _EXAMPLES = 3  # keys named in a mismatch summary
 
 
-def load_weights(model: nn.Module, path: str | os.PathLike) -> None:
-    """Load the state dict in ``path`` into ``model``, exactly (every key, every shape)."""
-    state, where = read_state_dict(path)
+def load_weights(model: nn.Module, path: str | os.PathLike, flag: str = "weights") -> None:
+    """Load the state dict in ``path`` into ``model``, exactly (every key, every shape);
+    an error names ``flag`` (the argument or option that gave the path) and the file."""
+    state, where = read_state_dict(path, flag)
     expected = model.state_dict()
     missing = [key for key in expected if key not in state]
     unexpected = [key for key in state if key not in expected]
@@ -42,20 +43,22 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> None:
             if items
         ]
         raise BladesmithError(
-            f"weights {str(path)!r}{where}: a state dict for another model: {matched} of "
+            f"{flag} {str(path)!r}{where}: a state dict for another model: {matched} of "
             f"the {len(expected)} entries {type(model).__name__} needs fit; "
             f"{'; '.join(parts)}. Give the weights of this architecture"
         )
     model.load_state_dict(state)
 
 
-def read_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], str]:
+def read_state_dict(
+    path: str | os.PathLike, flag: str = "weights"
+) -> tuple[dict[str, torch.Tensor], str]:
     """(the state dict in ``path``, " (under 'key')" when a checkpoint wrapped it, else "")."""
     path = os.fspath(path)
     problem = unreadable(path)
     if problem:
         error = MissingFileError if not os.path.exists(path) else BladesmithError
-        raise error(f"weights {path!r}: {problem}")
+        raise error(f"{flag} {path!r}: {problem}")
     try:
         with warnings.catch_warnings():  # the error says it all; no second line
             warnings.simplefilter("ignore")
@@ -66,7 +69,7 @@ def read_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], s
         if what == "a TorchScript model":
             hint = "give a model file as the model itself, or save its state_dict()"
         raise BladesmithError(
-            f"weights {path!r}: not a state dict but {what} ({first_line(error)}); {hint}"
+            f"{flag} {path!r}: not a state dict but {what} ({first_line(error)}); {hint}"
         ) from error
     where = ""
     if isinstance(loaded, Mapping):
@@ -79,7 +82,7 @@ def read_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], s
     ):
         kind = type(loaded).__name__
         raise BladesmithError(
-            f"weights {path!r}{where}: a {kind}, not a state dict (a dict of tensors, or a "
+            f"{flag} {path!r}{where}: a {kind}, not a state dict (a dict of tensors, or a "
             f"checkpoint holding one under {', '.join(map(repr, CHECKPOINT_KEYS))})"
         )
     return dict(loaded), where

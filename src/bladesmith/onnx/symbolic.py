@@ -28,6 +28,7 @@ other way, as torchvision's trick can.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -50,13 +51,6 @@ class ExportShapeError(BladesmithError, ValueError):
 # ---------------------------------------------------------------------------- helpers
 
 
-def _parse_args(*kinds):
-    # Imported lazily: torch.onnx is slow to import and only needed while exporting.
-    from torch.onnx import symbolic_helper
-
-    return symbolic_helper.parse_args(*kinds)
-
-
 def _static_type(g, index: int, value, name: str) -> tuple[list[int], torch.dtype]:
     """Static sizes and dtype of the operator's input ``index`` (``value``).
 
@@ -66,10 +60,10 @@ def _static_type(g, index: int, value, name: str) -> tuple[list[int], torch.dtyp
     """
     for value_type in (g.original_node.inputsAt(index).type(), value.type()):
         sizes = value_type.varyingSizes() if value_type.kind() == "TensorType" else None
-        if sizes is not None and None not in sizes:
+        if sizes is not None and None not in sizes and value_type.dtype() is not None:
             return list(sizes), value_type.dtype()
     raise ExportShapeError(
-        f"{name}: the exporter does not know its shape ({value.type()}); bladesmith "
+        f"{name}: the exporter does not know its shape or dtype ({value.type()}); bladesmith "
         "operators export with static shapes only: export with example inputs of the "
         "final shape and no dynamic axes"
     )
@@ -100,9 +94,38 @@ def _reduce(g, op: str, x, axes: list[int], keepdims: int):
     return g.op(op, x, axes_i=axes, keepdims_i=keepdims)
 
 
+def _fake_types(g, op: str, args) -> list[tuple[list[int], torch.dtype]]:
+    """(shape, dtype) of each output of ``torch.ops.bladesmith.<op>(*args)``: its fake
+    kernel's (``ops.fake.output_types``, the one statement of its output shapes) on meta
+    tensors of the node's static input types. Its checks, the kernels' own, raise
+    ExportShapeError."""
+    from bladesmith.ops import fake
+
+    names = list(inspect.signature(fake.FAKES[op]).parameters)
+    call = []
+    for index, (name, value) in enumerate(zip(names, args)):
+        if isinstance(value, torch._C.Value):
+            sizes, dtype = _static_type(g, index, value, name)
+            value = torch.empty(sizes, dtype=dtype, device="meta")
+        call.append(value)
+    try:
+        return fake.output_types(op, *call)
+    except (ValueError, TypeError) as error:
+        raise ExportShapeError(f"{op}: {error}") from error
+
+
+def _set_types(g, outputs, types):
+    # ONNX has no shape inference for custom-domain nodes: every translation's outputs
+    # get the fake kernel's types (the lowerings' are the same, checked by the tests).
+    like = g.original_node.inputsAt(0).type()
+    outputs = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
+    for output, (shape, dtype) in zip(outputs, types, strict=True):
+        output.setType(like.with_dtype(dtype).with_sizes(shape))
+    return outputs if len(outputs) > 1 else outputs[0]
+
+
 @dataclass(frozen=True)
 class _DecodeLayout:
-    batch: int
     num_classes: int
     level_topk: list[int]  # candidates per level: min(topk, N_l * C)
     dtype: torch.dtype
@@ -110,32 +133,13 @@ class _DecodeLayout:
 
 
 def _decode_layout(g, cls_logits, anchors, level_sizes: list[int], topk: int) -> _DecodeLayout:
-    """Checked as the kernels check them."""
-    (batch, num_anchors, num_classes), dtype = _static_type(g, 0, cls_logits, "cls_logits")
-    if sum(level_sizes) != num_anchors:
-        raise ExportShapeError(
-            f"level_sizes: expected sizes that sum to N = {num_anchors} (dimension 1 of "
-            f"cls_logits), got {level_sizes} (sum {sum(level_sizes)})"
-        )
+    """What the lowering needs of inputs the fake kernel has checked."""
+    from bladesmith.ops.fake import level_candidates
+
+    (_, _, num_classes), dtype = _static_type(g, 0, cls_logits, "cls_logits")
+    level_topk = level_candidates(level_sizes, num_classes, topk)
     anchors_rank = len(_static_type(g, 2, anchors, "anchors")[0])
-    if anchors_rank not in (2, 3):
-        raise ExportShapeError("anchors: expected [N, 4] or [B, N, 4]")
-    level_topk = [min(topk, n * num_classes) for n in level_sizes]
-    return _DecodeLayout(batch, num_classes, level_topk, dtype, anchors_rank == 3)
-
-
-def _set_types(g, outputs, shapes_and_dtypes):
-    # ONNX has no shape inference for custom-domain nodes: give their outputs static types.
-    like = g.original_node.inputsAt(0).type()
-    for output, (shape, dtype) in zip(outputs, shapes_and_dtypes, strict=True):
-        output.setType(like.with_dtype(dtype).with_sizes(shape))
-    return outputs
-
-
-def _detection_types(g, outputs, batch: int, max_detections: int, dtype: torch.dtype):
-    d = max_detections
-    shapes = [([batch, d, 4], dtype), ([batch, d], dtype), ([batch, d], torch.int64)]
-    return _set_types(g, outputs, [*shapes, ([batch], torch.int64)])
+    return _DecodeLayout(num_classes, level_topk, dtype, anchors_rank == 3)
 
 
 # ----------------------------------------------------------------------- domain mode
@@ -177,9 +181,8 @@ def _decode_domain(
     weights,
     bbox_clip,
 ):
-    layout = _decode_layout(g, cls_logits, anchors, level_sizes, topk_candidates)
-    _require_float32(layout.dtype, "cls_logits")
-    outputs = _decode_domain_node(
+    _require_float32(_static_type(g, 0, cls_logits, "cls_logits")[1], "cls_logits")
+    return _decode_domain_node(
         g,
         "retinanet_decode",
         (cls_logits, bbox_deltas, anchors, image_sizes),
@@ -190,15 +193,11 @@ def _decode_domain(
         topk_candidates_i=topk_candidates,
         bbox_clip_f=bbox_clip,
     )
-    b, k = layout.batch, sum(layout.level_topk)
-    shapes = [([b, k, 4], layout.dtype), ([b, k], layout.dtype), ([b, k], torch.int64)]
-    return _set_types(g, outputs, shapes)
 
 
 def _nms_domain(g, boxes, scores, labels, iou_threshold, max_detections):
-    (batch, _, _), dtype = _static_type(g, 0, boxes, "boxes")
-    _require_float32(dtype, "boxes")
-    outputs = g.op(
+    _require_float32(_static_type(g, 0, boxes, "boxes")[1], "boxes")
+    return g.op(
         f"{DOMAIN}::{OP_TYPES['batched_nms']}",
         boxes,
         scores,
@@ -207,7 +206,6 @@ def _nms_domain(g, boxes, scores, labels, iou_threshold, max_detections):
         max_detections_i=max_detections,
         outputs=4,
     )
-    return _detection_types(g, outputs, batch, max_detections, dtype)
 
 
 def _postprocess_domain(
@@ -224,9 +222,8 @@ def _postprocess_domain(
     weights,
     bbox_clip,
 ):
-    layout = _decode_layout(g, cls_logits, anchors, level_sizes, topk_candidates)
-    _require_float32(layout.dtype, "cls_logits")
-    outputs = _decode_domain_node(
+    _require_float32(_static_type(g, 0, cls_logits, "cls_logits")[1], "cls_logits")
+    return _decode_domain_node(
         g,
         "retinanet_postprocess",
         (cls_logits, bbox_deltas, anchors, image_sizes),
@@ -239,7 +236,6 @@ def _postprocess_domain(
         max_detections_i=max_detections,
         bbox_clip_f=bbox_clip,
     )
-    return _detection_types(g, outputs, layout.batch, max_detections, layout.dtype)
 
 
 # --------------------------------------------------------------------- standard mode
@@ -659,6 +655,24 @@ def check_mode(custom_ops: str, opset: int) -> None:
         )
 
 
+def _translation(op: str, function, kinds):
+    """``function`` as the exporter calls it: arguments parsed as ``kinds`` say, the
+    fake kernel's checks first, its output types on the outputs."""
+    from torch.onnx import symbolic_helper  # slow to import: only while exporting
+
+    def translate(g, *values):
+        # parse_args(*kinds) would do this, but it zips with the function's named
+        # parameters, of which this one has none.
+        args = [
+            value if kind == "v" else symbolic_helper._parse_arg(value, kind)
+            for value, kind in zip(values, kinds)
+        ]
+        types = _fake_types(g, op, args)
+        return _set_types(g, function(g, *args), types)
+
+    return translate
+
+
 @contextlib.contextmanager
 def registered(custom_ops: str, opset: int) -> Iterator[None]:
     """Register the translations of ``custom_ops`` mode for one export, then remove them."""
@@ -669,7 +683,7 @@ def registered(custom_ops: str, opset: int) -> Iterator[None]:
     try:
         for op, (function, kinds) in _SYMBOLICS[custom_ops].items():
             name = f"bladesmith::{op}"
-            torch.onnx.register_custom_op_symbolic(name, _parse_args(*kinds)(function), opset)
+            torch.onnx.register_custom_op_symbolic(name, _translation(op, function, kinds), opset)
             names.append(name)
         yield
     finally:

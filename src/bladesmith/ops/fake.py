@@ -1,4 +1,6 @@
-"""Fake (meta) kernels of torch.ops.bladesmith, for torch.compile and torch.export.
+"""Fake (meta) kernels of torch.ops.bladesmith, for torch.compile and torch.export, and
+the one statement of each operator's output shapes and dtypes (``output_types``): the
+ONNX translations take theirs from here.
 
 They compute output shapes from input shapes and arguments only, and mirror the input
 checks of ``csrc/checks.h`` with the same messages, so a traced model fails as an eager
@@ -126,7 +128,13 @@ def check_decode_inputs(
             f"level_sizes: expected sizes that sum to N = {num_anchors} (dimension 1 of "
             f"cls_logits), got {list(level_sizes)} (sum {sum(level_sizes)})"
         )
-    return sum(torch.sym_min(topk_candidates, n * num_classes) for n in level_sizes)
+    return sum(level_candidates(level_sizes, num_classes, topk_candidates))
+
+
+def level_candidates(level_sizes, num_classes, topk_candidates) -> list:
+    """The candidate slots of each level: its ``topk_candidates`` best (anchor, class)
+    pairs, or all of them on a smaller level."""
+    return [torch.sym_min(topk_candidates, n * num_classes) for n in level_sizes]
 
 
 def check_nms_inputs(boxes, scores, labels, iou_threshold, max_detections) -> None:
@@ -288,3 +296,21 @@ def multilevel_roi_align_fake(
         table, rois, level_of, heights, widths, scales, pooled_height, pooled_width, sampling_ratio
     )
     return table.new_empty((rois.shape[0], pooled_height, pooled_width, table.shape[1]))
+
+
+FAKES = {
+    "retinanet_decode": retinanet_decode_fake,
+    "batched_nms": batched_nms_fake,
+    "retinanet_postprocess": retinanet_postprocess_fake,
+    "conv2d_relu": conv2d_relu_fake,
+    "multilevel_roi_align": multilevel_roi_align_fake,
+}
+
+
+def output_types(op: str, *args) -> list[tuple[list[int], torch.dtype]]:
+    """(shape, dtype) of each output of ``torch.ops.bladesmith.<op>(*args)``, tensors
+    given as meta tensors (``torch.empty(shape, dtype=..., device="meta")``): its fake
+    kernel's, which checks the arguments as the kernels do (ValueError, TypeError)."""
+    outputs = FAKES[op](*args)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    return [(list(output.shape), output.dtype) for output in outputs]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bladesmith.models.convs import (
+from bladesmith.convs import (
     fold_norm,
     is_foldable_norm,
     norm_and_relu_after,

@@ -29,7 +29,7 @@ from collections import Counter
 import torch
 from torch import fx, nn
 
-from bladesmith.models.convs import fold_affine, fold_norm, is_foldable_norm, norm_after
+from bladesmith.convs import fold_affine, fold_norm, is_foldable_norm, norm_after
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bladesmith.models.convs import (
+from bladesmith.convs import (
     fold_norm,
     is_same_size_3x3,
     norm_after,

@@ -368,7 +368,7 @@ def random_rows(
     real photographs (``varied_photos``): a detector answers random pixels with nearly
     the same detections whatever they are, so one row's answer could pass for another's."""
     if photos and len(shape) == 4 and shape[1] == 3:
-        from bladesmith.models.images import varied_photos
+        from bladesmith.images import varied_photos
 
         seed = int(generator.integers(2**31))
         rows = varied_photos(shape[0], tuple(shape[2:]), seed).numpy()
