@@ -15,6 +15,9 @@ unchanged once it has checked it, because Triton 2.51 cannot be told to:
   unless the server was started with ``--shared-memory``, and then served only to
   connections of the serving user: their owner is read from the kernel's socket table
   (``/proc/net/tcp``), so a connection from another user or another machine is refused.
+  A system region registered must be a file of /dev/shm that is the serving user's
+  alone (owner, mode 0600) and holds the bytes named (Triton would open anything the
+  serving user can, and answer 500 for what it cannot).
 - The trace and log settings cannot be changed through the API (any client could).
 
 Run as a script (``python front.py CONFIG``, which ``Server`` does), it imports neither
@@ -32,6 +35,7 @@ import math
 import os
 import re
 import signal
+import stat
 import sys
 import zlib
 from dataclasses import dataclass
@@ -48,6 +52,9 @@ UNBOUNDED_LIMIT = 64 << 20
 # its bytes ("-1.2345678901234567e-308,": 25 characters for a float64's 8 bytes).
 HEADER_ROOM = 64 << 10
 JSON_PER_BYTE = 32
+# A body that stops coming for this long is refused (408): a client that sent less than
+# its Content-Length would otherwise hold its connection, and the memory read, forever.
+BODY_IDLE_S = 10.0
 # Where a request names a shared-memory region.
 SHARED_MEMORY_PARAMETER = "shared_memory_region"
 # gRPC methods that only the serving user may call, and only with --shared-memory.
@@ -62,11 +69,17 @@ _HOP_BY_HOP = {
 }  # fmt: skip
 _INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/[^/]+)?/infer$")
 _SHARED_MEMORY_PATH = re.compile(r"^/v2/(system|cuda)sharedmemory(/|$)")
+_REGISTER_PATH = re.compile(r"^/v2/systemsharedmemory/region/[^/]+/register$")
 _SETTINGS_PATH = re.compile(r"^/v2/(models/[^/]+/)?(trace/setting|logging)$")
 
 
 class Refused(Exception):
-    """A request refused for what it is (the client's error): one line."""
+    """A request refused for what it is (the client's error): one line, and the HTTP
+    status (400 unless said)."""
+
+    def __init__(self, reason: str, status: int = 400):
+        super().__init__(reason)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -271,6 +284,27 @@ def check_grpc_infer(models: dict[str, Model], request) -> bool:
     return shared
 
 
+def check_region(key, offset, byte_size, uid: int) -> None:
+    """Refused unless ``key`` names a system shared-memory region (/dev/shm/NAME) that is
+    user ``uid``'s alone and holds ``byte_size`` bytes from ``offset``."""
+    if not isinstance(key, str) or not re.fullmatch(r"/[^/\0]+", key) or key in ("/.", "/.."):
+        raise Refused(f"key {key!r}: a shared-memory key is /NAME, a region in /dev/shm")
+    try:
+        found = (Path("/dev/shm") / key[1:]).lstat()  # a link is not followed
+    except OSError:
+        raise Refused(f"key {key!r}: there is no such shared-memory region") from None
+    if not stat.S_ISREG(found.st_mode) or found.st_uid != uid or found.st_mode & 0o077:
+        raise Refused(
+            f"key {key!r}: the region is not the serving user's alone (owner "
+            f"{found.st_uid}, mode {found.st_mode & 0o777:o}): make it with mode 0600"
+        )
+    if not (_is_size(offset) and _is_size(byte_size)) or offset + byte_size > found.st_size:
+        raise Refused(
+            f"key {key!r}: offset {offset!r} and byte_size {byte_size!r} are not within "
+            f"its {found.st_size} bytes"
+        )
+
+
 def connection_owner(peer: tuple[str, int], local_port: int) -> int | None:
     """The user id owning the other end of a TCP connection from ``peer`` to our
     ``local_port``, where it is a socket of this machine (the kernel's table lists it);
@@ -339,7 +373,11 @@ class Front:
         )
         app = web.Application(client_max_size=self.body_limit + 1)
         app.router.add_route("*", "/{path:.*}", self.handle_http)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # Bodies inflated here, within the limit (aiohttp's own inflating is bounded only
+        # in its latest versions).
+        runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, auto_decompress=False
+        )
         await runner.setup()
         site = web.TCPSite(
             runner, self.config["host"], self.config["http_port"], reuse_address=True
@@ -353,7 +391,7 @@ class Front:
         try:
             body = await self.checked_body(request)
         except Refused as refusal:
-            return web.json_response({"error": str(refusal)}, status=400)
+            return web.json_response({"error": str(refusal)}, status=refusal.status)
         headers = {
             key: value
             for key, value in request.headers.items()
@@ -396,6 +434,13 @@ class Front:
             )
         body = await _read(request, limit)
         body = _decompressed(body, request.headers.get("Content-Encoding", ""), limit)
+        if _REGISTER_PATH.match(path) and request.method == "POST":
+            region = _json(body)
+            if not isinstance(region, dict):
+                raise Refused("the registration is not a JSON object")
+            check_region(
+                region.get("key"), region.get("offset", 0), region.get("byte_size"), self.uid
+            )
         if model is not None and request.method == "POST":
             text = request.headers.get("Inference-Header-Content-Length")
             header_length = len(body)
@@ -406,10 +451,7 @@ class Front:
                         f"body's {len(body)} bytes"
                     )
                 header_length = int(text)
-            try:
-                header = json.loads(body[:header_length])
-            except (ValueError, UnicodeDecodeError) as error:
-                raise Refused(f"the request is not JSON: {error}") from None
+            header = _json(body[:header_length])
             if check_http_infer(model, header, len(body) - header_length):
                 refusal = self.shared_memory_refusal(peer, self.config["http_port"])
                 if refusal:
@@ -427,7 +469,11 @@ class Front:
             options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)],
         )
         service = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-        self.infer_request = service_pb2.ModelInferRequest
+        self.requests = {
+            "ModelInfer": service_pb2.ModelInferRequest,
+            "ModelStreamInfer": service_pb2.ModelInferRequest,
+            "SystemSharedMemoryRegister": service_pb2.SystemSharedMemoryRegisterRequest,
+        }
         handlers = {}
         for method in service.methods:
             path = f"/{service.full_name}/{method.name}"
@@ -462,16 +508,19 @@ class Front:
         if name in SETTINGS_METHODS:
             raise Refused(f"{name}: this server's trace and log settings cannot be changed")
         shared = name in SHARED_MEMORY_METHODS
+        kind = self.requests.get(name)
+        try:
+            request = kind.FromString(message) if kind else None
+        except DecodeError as error:
+            raise Refused(f"not a {kind.DESCRIPTOR.name}: {error}") from None
         if name in ("ModelInfer", "ModelStreamInfer"):
-            try:
-                request = self.infer_request.FromString(message)
-            except DecodeError as error:
-                raise Refused(f"not a ModelInferRequest: {error}") from None
             shared = check_grpc_infer(self.models, request) or shared
         if shared:
             refusal = self.shared_memory_refusal(_grpc_peer(context.peer()), self.config["grpc_port"])
             if refusal:
                 raise Refused(refusal)
+        if name == "SystemSharedMemoryRegister":
+            check_region(request.key, request.offset, request.byte_size, self.uid)
 
     def _unary(self, path: str, name: str):
         import grpc
@@ -518,19 +567,31 @@ class Front:
         return forward
 
 
+def _json(text: bytes):
+    try:
+        return json.loads(text)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise Refused(f"the request is not JSON: {error}") from None
+
+
 async def _read(request, limit: int) -> bytes:
     """At most ``limit`` bytes of the body, all of it or Refused."""
     from aiohttp.http_exceptions import HttpProcessingError
 
     chunks, size = [], 0
     try:
-        while chunk := await request.content.readany():
+        while chunk := await asyncio.wait_for(request.content.readany(), BODY_IDLE_S):
             size += len(chunk)
             if size > limit:
                 raise Refused(f"the request body is over the {limit} bytes this server takes")
             chunks.append(chunk)
     except (HttpProcessingError, ConnectionError) as error:
         raise Refused(f"the request body is cut short or malformed: {error}") from None
+    except asyncio.TimeoutError:
+        raise Refused(
+            f"the request body stopped coming ({size} bytes in, none for {BODY_IDLE_S:.0f} s)",
+            408,
+        ) from None
     return b"".join(chunks)
 
 
@@ -569,6 +630,10 @@ def _metadata(context) -> tuple:
 
 
 async def _main(config: dict) -> None:
+    import logging
+
+    # aiohttp logs each malformed request with a traceback; the client has its 400.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     front = Front(config)
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()

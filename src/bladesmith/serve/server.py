@@ -13,8 +13,10 @@ virtual environment's packages).
 
 tritonserver listens on Unix sockets in the server's own folder (mode 0700), and the
 request front (``front``) on the HTTP and gRPC ports: it checks each request before
-Triton sees it. The regions tritonserver and its stubs make in /dev/shm are the serving
-user's alone (umask 077: mode 0600). A watch thread ends the server, saying why, when a
+Triton sees it. The regions the Python backend makes in /dev/shm are made the serving
+user's alone (mode 0600) as soon as they are seen: the backend sets 0644 itself, so a
+local user quick enough to open one in the moment between keeps it (a limit of Triton
+2.51 that the security page states). A watch thread ends the server, saying why, when a
 model instance dies or stops, or the front does: Triton 2.51 would keep answering
 "ready" and fail every request. Child processes are started from one thread that lives
 as long as this process, so that they end with the process (PR_SET_PDEATHSIG follows
@@ -369,7 +371,7 @@ class Server:
             self._process = _Spawner.popen(
                 command,
                 env={**server_environment(), **stopping.environment(folder)},
-                preexec_fn=_die_with_parent(umask=0o077),  # its regions: 0600
+                preexec_fn=_die_with_parent(umask=0o077),  # its files: 0600
                 **common,
             )
             # Run as a script: the front imports neither torch nor bladesmith.
@@ -391,9 +393,10 @@ class Server:
                         f"serve: {what} exited with code {process.returncode} while "
                         f"starting{hint}"
                     )
+            self._restrict_shared_memory()  # as soon as the backend makes its regions
             if self.ready():
                 return
-            time.sleep(0.25)
+            time.sleep(0.05)
         raise BladesmithError(f"serve: tritonserver was not ready after {timeout:.0f} s")
 
     def _watch(self, process, front, stubs: dict[int, str]) -> None:
@@ -401,6 +404,7 @@ class Server:
         the front exits (until the server is ended otherwise)."""
         stopped = dict.fromkeys(stubs, 0)
         while not self._ended.wait(WATCH_S):
+            self._restrict_shared_memory()  # a region grown or made anew
             failure = None
             if front.poll() is not None:
                 failure = f"the request front exited (code {front.returncode})"
@@ -499,6 +503,13 @@ class Server:
         """Each model version's requests in Triton's queue, from its metrics."""
         with urllib.request.urlopen(self.metrics_url, timeout=2.0) as page:
             return stopping.pending_requests(page.read().decode())
+
+    def _restrict_shared_memory(self) -> None:
+        """Make this server's Python-backend regions the serving user's alone (0600)."""
+        for region in Path("/dev/shm").glob(f"{self._shm_prefix}*"):
+            with contextlib.suppress(OSError):
+                if region.stat().st_mode & 0o077:
+                    region.chmod(0o600)
 
     def _remove_shared_memory(self) -> None:
         """This server's Python-backend regions left in /dev/shm (a crash leaves them)."""
