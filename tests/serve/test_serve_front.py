@@ -368,7 +368,7 @@ def test_shared_memory_is_served_to_the_serving_user_only_and_its_regions_are_06
             with pytest.raises(shared_memory.SharedMemoryException):
                 with client.shared_inputs([[row]]):
                     pass
-        assert not shared_memory.get_contents_as_numpy(taken, "FP32", [192]).any()
+        assert not shared_memory.get_contents_as_numpy(taken, np.float32, [192]).any()
     finally:
         shared_memory.destroy_shared_memory_region(taken)
     with triton.InferenceServerClient(server.url) as client:

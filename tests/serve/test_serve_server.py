@@ -87,7 +87,10 @@ def _serving(artifact: Path, log: Path, *options: str):
 @pytest.fixture
 def served_net(net_artifacts, tmp_path):
     """`bladesmith serve net.pt`, two instances: (process, http, grpc and metrics ports)."""
-    options = ("--max-batch", str(MAX_BATCH), "--max-queue-delay-us", "2000", "--instances", "2")
+    options = (
+        "--max-batch", str(MAX_BATCH), "--max-queue-delay-us", "2000", "--instances", "2",
+        "--shared-memory",
+    )  # fmt: skip
     with _serving(net_artifacts[".pt"], tmp_path / "serve.log", *options) as served:
         yield served
 
@@ -490,8 +493,9 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
     assert "Signal (11)" not in text and "Exit timeout expired" not in text
     # It listened where it said: loopback only (the default --host).
     assert f"serving net: http 127.0.0.1:{http}, grpc grpc://127.0.0.1:{grpc}" in text
-    assert f"Started HTTPService at 127.0.0.1:{http}" in text
-    assert f"Started GRPCInferenceService at 127.0.0.1:{grpc}" in text
+    # The front, there; tritonserver on its Unix sockets only.
+    assert f"request front on 127.0.0.1: http {http}, grpc {grpc}" in text
+    assert "Started HTTPService at unix:" in text and "Started GRPCInferenceService at unix:" in text
     assert {"refused tritonclient.http", "refused tritonclient.grpc"} <= set(outcomes)
     assert not _group(tritonserver[0]), "a tritonserver or stub process survived"
     assert all(_port_free(port) for port in (http, grpc, metrics))
@@ -701,6 +705,18 @@ def test_tritonserver_shows_no_secret_to_local_users_and_refuses_repository_call
         with pytest.raises(InferenceServerException, match="not allowed"):
             client.unload_model("net")
         assert client.is_model_ready("net")
+        # Shared memory is off unless asked for (--shared-memory), over HTTP and gRPC.
+        over_http = triton.InferenceServerClient(server.url)
+        for each in (client, over_http):
+            for call in (
+                lambda: each.get_system_shared_memory_status(),
+                lambda: each.register_system_shared_memory("r", "/r", 16),
+                lambda: each.get_cuda_shared_memory_status(),
+            ):
+                with pytest.raises(InferenceServerException, match="shared memory is off") as refused:
+                    call()
+                assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+        over_http.close()
         client.close()
 
 
