@@ -123,7 +123,9 @@ def test_onnx_with_custom_operators_is_refused_with_what_to_do(tmp_path):
 
 def test_tensor_names_that_could_inject_config_fields_are_refused(tmp_path, capsys):
     # An ONNX graph's names go into config.pbtxt: a quote there once added fields.
-    crafted = 'x" dims: [1] } ] parameters: { key: "EXECUTION_ENV_PATH" value: { string_value: "/tmp/evil'
+    crafted = (
+        'x" dims: [1] } ] parameters: { key: "EXECUTION_ENV_PATH" value: { string_value: "/tmp/evil'
+    )
     for name in (crafted, "line\nbreak", "back\\slash"):
         graph = helper.make_graph(
             [helper.make_node("Relu", [name], ["y"])],

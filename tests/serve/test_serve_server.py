@@ -135,9 +135,9 @@ def test_serve_answers_concurrent_requests_refuses_bad_ones_and_stops_cleanly(se
     nan = good.copy()
     nan[0, 0, 0, 0] = np.nan
     bad = [
-        (good[:, :, :4], "unexpected shape"),
+        (good[:, :, :4], "expected shape"),
         (good.astype(np.float64), "FP64"),
-        (np.zeros((MAX_BATCH + 1, 3, 8, 8), np.float32), "batch"),
+        (np.zeros((MAX_BATCH + 1, 3, 8, 8), np.float32), "--max-request-bytes"),
         (nan, "non-finite values"),
     ]
     for x, reason in bad:
@@ -495,7 +495,9 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
     assert f"serving net: http 127.0.0.1:{http}, grpc grpc://127.0.0.1:{grpc}" in text
     # The front, there; tritonserver on its Unix sockets only.
     assert f"request front on 127.0.0.1: http {http}, grpc {grpc}" in text
-    assert "Started HTTPService at unix:" in text and "Started GRPCInferenceService at unix:" in text
+    assert (
+        "Started HTTPService at unix:" in text and "Started GRPCInferenceService at unix:" in text
+    )
     assert {"refused tritonclient.http", "refused tritonclient.grpc"} <= set(outcomes)
     assert not _group(tritonserver[0]), "a tritonserver or stub process survived"
     assert all(_port_free(port) for port in (http, grpc, metrics))
@@ -707,14 +709,15 @@ def test_tritonserver_shows_no_secret_to_local_users_and_refuses_repository_call
         assert client.is_model_ready("net")
         # Shared memory is off unless asked for (--shared-memory), over HTTP and gRPC.
         over_http = triton.InferenceServerClient(server.url)
+        calls = (
+            ("get_system_shared_memory_status", ()),
+            ("register_system_shared_memory", ("r", "/r", 16)),
+            ("get_cuda_shared_memory_status", ()),
+        )
         for each in (client, over_http):
-            for call in (
-                lambda: each.get_system_shared_memory_status(),
-                lambda: each.register_system_shared_memory("r", "/r", 16),
-                lambda: each.get_cuda_shared_memory_status(),
-            ):
-                with pytest.raises(InferenceServerException, match="shared memory is off") as refused:
-                    call()
+            for method, arguments in calls:
+                with pytest.raises(InferenceServerException, match="memory is off") as refused:
+                    getattr(each, method)(*arguments)
                 assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
         over_http.close()
         client.close()

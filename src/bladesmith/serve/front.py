@@ -112,7 +112,7 @@ class Model:
                 f"{self.name}: the request declares {sum(sizes)} bytes of inputs, over this "
                 f"server's limit of {self.limit} (--max-request-bytes)"
             )
-        for name, datatype, shape in inputs:
+        for name, _, shape in inputs:
             self._check_shape(name, shape)
         missing = [name for name, (_, _, optional) in self.inputs.items() if not optional]
         missing = [name for name in missing if name not in seen]
@@ -159,9 +159,9 @@ def models_of(repository: Path, max_request_bytes: int | None) -> dict[str, Mode
         name = config.name or config_file.parent.name
         inputs = {
             tensor.name: (
-                schema.DataType.Name(tensor.data_type).removeprefix("TYPE_").replace(
-                    "STRING", "BYTES"
-                ),
+                schema.DataType.Name(tensor.data_type)
+                .removeprefix("TYPE_")
+                .replace("STRING", "BYTES"),
                 tuple(tensor.dims),
                 tensor.optional,
             )
@@ -169,8 +169,7 @@ def models_of(repository: Path, max_request_bytes: int | None) -> dict[str, Mode
         }
         batch = max(config.max_batch_size, 1)
         own = sum(
-            math.prod(dims) * ITEM_BYTES[datatype] * batch
-            for datatype, dims, _ in inputs.values()
+            math.prod(dims) * ITEM_BYTES[datatype] * batch for datatype, dims, _ in inputs.values()
         )
         free = any(d < 0 for _, dims, _ in inputs.values() for d in dims)
         limit = max_request_bytes or (UNBOUNDED_LIMIT if free else own)
@@ -181,9 +180,7 @@ def models_of(repository: Path, max_request_bytes: int | None) -> dict[str, Mode
 def check_json_data(name: str, datatype: str, shape: list[int], data) -> None:
     """Refused unless JSON ``data`` (nested lists) holds as many values as ``shape``, each
     of ``datatype``'s kind."""
-    kind = (
-        (str,) if datatype == "BYTES" else (bool,) if datatype == "BOOL" else (int, float)
-    )
+    kind = (str,) if datatype == "BYTES" else (bool,) if datatype == "BOOL" else (int, float)
     count, stack = 0, [data]
     while stack:
         item = stack.pop()
@@ -375,9 +372,7 @@ class Front:
         app.router.add_route("*", "/{path:.*}", self.handle_http)
         # Bodies inflated here, within the limit (aiohttp's own inflating is bounded only
         # in its latest versions).
-        runner = web.AppRunner(
-            app, access_log=None, handle_signals=False, auto_decompress=False
-        )
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False)
         await runner.setup()
         site = web.TCPSite(
             runner, self.config["host"], self.config["http_port"], reuse_address=True
@@ -478,9 +473,7 @@ class Front:
         for method in service.methods:
             path = f"/{service.full_name}/{method.name}"
             if method.client_streaming:
-                handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                    self._stream(path)
-                )
+                handlers[method.name] = grpc.stream_stream_rpc_method_handler(self._stream(path))
             else:
                 handlers[method.name] = grpc.unary_unary_rpc_method_handler(
                     self._unary(path, method.name)
@@ -516,7 +509,9 @@ class Front:
         if name in ("ModelInfer", "ModelStreamInfer"):
             shared = check_grpc_infer(self.models, request) or shared
         if shared:
-            refusal = self.shared_memory_refusal(_grpc_peer(context.peer()), self.config["grpc_port"])
+            refusal = self.shared_memory_refusal(
+                _grpc_peer(context.peer()), self.config["grpc_port"]
+            )
             if refusal:
                 raise Refused(refusal)
         if name == "SystemSharedMemoryRegister":
@@ -533,7 +528,9 @@ class Front:
             except Refused as refusal:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(refusal))
             try:
-                return await call(message, metadata=_metadata(context), timeout=context.time_remaining())
+                return await call(
+                    message, metadata=_metadata(context), timeout=context.time_remaining()
+                )
             except grpc.aio.AioRpcError as error:
                 await context.abort(error.code(), error.details() or "")
 

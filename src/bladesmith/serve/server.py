@@ -390,8 +390,7 @@ class Server:
                 if process is None or process.poll() is not None:
                     hint = f" (log: {self.log})" if self.log else " (its log is above)"
                     raise BladesmithError(
-                        f"serve: {what} exited with code {process.returncode} while "
-                        f"starting{hint}"
+                        f"serve: {what} exited with code {process.returncode} while starting{hint}"
                     )
             self._restrict_shared_memory()  # as soon as the backend makes its regions
             if self.ready():
