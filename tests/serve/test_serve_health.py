@@ -18,7 +18,12 @@ import pytest
 
 pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton (bladesmith[serve])")
 from serve_testing import free_ports  # noqa: E402
-from test_serve_server import _children, _environment, _wait_ready  # noqa: E402
+from test_serve_server import (  # noqa: E402
+    _children,
+    _environment,
+    _tritonservers,
+    _wait_ready,
+)
 
 import bladesmith  # noqa: E402
 from bladesmith.serve.server import _group_members, _stubs  # noqa: E402
@@ -46,7 +51,7 @@ def test_a_model_instance_that_dies_ends_serve_with_exit_1_naming_it(net_artifac
     log = tmp_path / "serve.log"
     process, http = _serve(net_artifacts[".pt"], log)
     try:
-        [tritonserver] = [pid for pid in _children(process.pid) if "tritonserver" in _command(pid)]
+        [tritonserver] = _tritonservers(process.pid)
         [(stub, name)] = _stubs(tritonserver).items()
         assert name == "net_0_0"
         os.kill(stub, signal.SIGKILL)
@@ -61,13 +66,6 @@ def test_a_model_instance_that_dies_ends_serve_with_exit_1_naming_it(net_artifac
     assert len(said) == 1 and f"model instance net_0_0 (pid {stub}) died" in said[0], said
     assert not _group_members(tritonserver)
     assert not _owned_folders(process.pid)
-
-
-def _command(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode()
-    except OSError:
-        return ""
 
 
 def test_a_server_killed_leaves_folders_the_next_start_removes_and_a_thread_can_start_it(

@@ -57,6 +57,19 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _tritonservers(pid: int) -> list[int]:
+    """The tritonserver children of ``pid`` (its other child is the request front)."""
+    found = []
+    for child in _children(pid):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if command.split(b"\0")[0].endswith(b"tritonserver"):
+            found.append(child)
+    return found
+
+
 @contextmanager
 def _serving(artifact: Path, log: Path, *options: str):
     """`bladesmith serve ARTIFACT OPTIONS` as a user runs it, ready: (process, http, grpc
@@ -460,8 +473,8 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
     idle = None
     try:
         _wait_ready(http, process, log)
-        tritonserver = _children(process.pid)
-        assert len(tritonserver) == 1
+        tritonserver = _tritonservers(process.pid)
+        assert len(tritonserver) == 1 and len(_children(process.pid)) == 2  # and the front
         stubs = _group(tritonserver[0])
         assert len(stubs) >= 3, stubs  # tritonserver and its two instances' stubs
         # An idle keep-alive connection, which once held the exit up for 30 s.
@@ -567,7 +580,7 @@ def test_a_stop_answers_the_requests_that_had_arrived_and_refuses_later_ones(
         after.append((index, ask(index, ready=late)))
 
     with _serving(spin_artifact, log, "--max-batch", "1") as (process, http, grpc, _):
-        [tritonserver] = _children(process.pid)
+        [tritonserver] = _tritonservers(process.pid)
         for _ in range(3):  # TorchScript's profiling runs: slow
             ask(0)
         with ThreadPoolExecutor(senders + latecomers) as pool:
@@ -611,7 +624,7 @@ def test_a_second_signal_ends_the_stop_at_once_and_says_requests_may_be_cut_off(
     log = tmp_path / "serve.log"
     row = np.zeros((1, 16), np.float32)
     with _serving(spin_artifact, log, "--max-batch", "1") as (process, http, _, _):
-        [tritonserver] = _children(process.pid)
+        [tritonserver] = _tritonservers(process.pid)
         client = triton.InferenceServerClient(f"127.0.0.1:{http}", network_timeout=120)
         with ThreadPoolExecutor(1) as pool:
             # Minutes of computing: the batch outlasts the drain's 30 s.

@@ -55,6 +55,10 @@ JSON_PER_BYTE = 32
 # A body that stops coming for this long is refused (408): a client that sent less than
 # its Content-Length would otherwise hold its connection, and the memory read, forever.
 BODY_IDLE_S = 10.0
+# On SIGTERM the front refuses new requests as unavailable and answers those it holds
+# (which tritonserver, still running, answers or refuses) within this; then it exits.
+STOP_GRACE_S = 5.0
+SHUTTING_DOWN = "the server is shutting down; send the request again, to another server"
 # Where a request names a shared-memory region.
 SHARED_MEMORY_PARAMETER = "shared_memory_region"
 # gRPC methods that only the serving user may call, and only with --shared-memory.
@@ -345,6 +349,16 @@ class Front:
         limits = [model.limit for model in self.models.values()] or [0]
         self.body_limit = HEADER_ROOM + JSON_PER_BYTE * max(limits)
         self.message_limit = HEADER_ROOM + 2 * max(limits)
+        self.stopping = False  # set at SIGTERM: new requests are refused as unavailable
+        self.in_flight = 0
+
+    async def drain(self) -> None:
+        """Refuse new requests, and return once those held are answered (or after the
+        grace)."""
+        self.stopping = True
+        deadline = asyncio.get_running_loop().time() + STOP_GRACE_S
+        while self.in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
 
     def shared_memory_refusal(self, peer: tuple[str, int] | None, port: int) -> str | None:
         """Why this connection may not use shared memory, or None."""
@@ -381,6 +395,17 @@ class Front:
         return runner
 
     async def handle_http(self, request):
+        from aiohttp import web
+
+        if self.stopping:
+            return web.json_response({"error": SHUTTING_DOWN}, status=503)
+        self.in_flight += 1
+        try:
+            return await self.forward_http(request)
+        finally:
+            self.in_flight -= 1
+
+    async def forward_http(self, request):
         from aiohttp import web
 
         try:
@@ -523,6 +548,15 @@ class Front:
         call = self.channel.unary_unary(path)
 
         async def forward(message: bytes, context):
+            if self.stopping:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+            self.in_flight += 1
+            try:
+                return await checked_forward(message, context)
+            finally:
+                self.in_flight -= 1
+
+        async def checked_forward(message: bytes, context):
             try:
                 self._check_grpc(name, message, context)
             except Refused as refusal:
@@ -645,8 +679,8 @@ async def _main(config: dict) -> None:
         flush=True,
     )
     await stopped.wait()
-    await grpc_server.stop(0)
-    await http.cleanup()
+    await front.drain()
+    await asyncio.gather(grpc_server.stop(0), http.cleanup())
     await front.session.close()
 
 

@@ -478,9 +478,8 @@ class Server:
                     problems.append(f"the stop could not drain ({error})")
                 if cut_short is not None and cut_short.is_set():
                     problems.append("the stop was cut short: requests may have been cut off")
-        if front is not None:  # its connections closed first: no answer from a dying Triton
-            _end_group(front.pid)
-            front.wait()
+        if front is not None:  # before Triton: it answers what it holds, then closes
+            _stop_front(front, cut_short)
         if process is not None:
             exited = process.poll() is not None  # by itself, meanwhile (a crash)
             left = _end_group(process.pid)  # tritonserver and its stubs
@@ -523,6 +522,17 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _stop_front(front: subprocess.Popen, cut_short: threading.Event | None) -> None:
+    """Have the front answer the requests it holds and exit (SIGTERM), ended where it has
+    not after its grace, or at once when the stop is ``cut_short``."""
+    if front.poll() is None and not (cut_short is not None and cut_short.is_set()):
+        front.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            front.wait(SEND_TIMEOUT_S + 2)
+    _end_group(front.pid)
+    front.wait()
 
 
 def _state(pid: int) -> str:
