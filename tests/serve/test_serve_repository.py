@@ -121,6 +121,36 @@ def test_onnx_with_custom_operators_is_refused_with_what_to_do(tmp_path):
     assert not (tmp_path / "repo" / "custom").exists()  # nothing half-written
 
 
+def test_tensor_names_that_could_inject_config_fields_are_refused(tmp_path, capsys):
+    # An ONNX graph's names go into config.pbtxt: a quote there once added fields.
+    crafted = (
+        'x" dims: [1] } ] parameters: { key: "EXECUTION_ENV_PATH" value: { string_value: "/tmp/evil'
+    )
+    for name in (crafted, "line\nbreak", "back\\slash"):
+        graph = helper.make_graph(
+            [helper.make_node("Relu", [name], ["y"])],
+            "crafted",
+            [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        )
+        path = tmp_path / "crafted.onnx"
+        onnx.save(helper.make_model(graph), str(path))
+        assert main(["export", "triton", str(path), str(tmp_path / "repo")]) == 2
+        err = capsys.readouterr().err
+        assert "cannot be named in config.pbtxt" in err and len(err.strip().splitlines()) == 1
+        assert not (tmp_path / "repo" / "crafted").exists()
+    # The names ONNX exporters write are kept.
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["/body/input.1"], ["onnx::Relu_2:0"])],
+        "plain",
+        [helper.make_tensor_value_info("/body/input.1", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("onnx::Relu_2:0", TensorProto.FLOAT, [1, 4])],
+    )
+    onnx.save(helper.make_model(graph), str(tmp_path / "plain.onnx"))
+    model_dir = write_repository(tmp_path / "plain.onnx", tmp_path / "repo")
+    assert [t.name for t in config_of(model_dir).inputs] == ["/body/input.1"]
+
+
 def test_export_errors_are_one_line_for_the_user(net_artifacts, tmp_path, capsys):
     repo = tmp_path / "repo"
     assert main(["export", "triton", str(tmp_path / "missing.pt"), str(repo)]) == 2

@@ -57,6 +57,19 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _tritonservers(pid: int) -> list[int]:
+    """The tritonserver children of ``pid`` (its other child is the request front)."""
+    found = []
+    for child in _children(pid):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if command.split(b"\0")[0].endswith(b"tritonserver"):
+            found.append(child)
+    return found
+
+
 @contextmanager
 def _serving(artifact: Path, log: Path, *options: str):
     """`bladesmith serve ARTIFACT OPTIONS` as a user runs it, ready: (process, http, grpc
@@ -87,7 +100,10 @@ def _serving(artifact: Path, log: Path, *options: str):
 @pytest.fixture
 def served_net(net_artifacts, tmp_path):
     """`bladesmith serve net.pt`, two instances: (process, http, grpc and metrics ports)."""
-    options = ("--max-batch", str(MAX_BATCH), "--max-queue-delay-us", "2000", "--instances", "2")
+    options = (
+        "--max-batch", str(MAX_BATCH), "--max-queue-delay-us", "2000", "--instances", "2",
+        "--shared-memory",
+    )  # fmt: skip
     with _serving(net_artifacts[".pt"], tmp_path / "serve.log", *options) as served:
         yield served
 
@@ -132,9 +148,9 @@ def test_serve_answers_concurrent_requests_refuses_bad_ones_and_stops_cleanly(se
     nan = good.copy()
     nan[0, 0, 0, 0] = np.nan
     bad = [
-        (good[:, :, :4], "unexpected shape"),
+        (good[:, :, :4], "expected shape"),
         (good.astype(np.float64), "FP64"),
-        (np.zeros((MAX_BATCH + 1, 3, 8, 8), np.float32), "batch"),
+        (np.zeros((MAX_BATCH + 1, 3, 8, 8), np.float32), "--max-request-bytes"),
         (nan, "non-finite values"),
     ]
     for x, reason in bad:
@@ -457,8 +473,8 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
     idle = None
     try:
         _wait_ready(http, process, log)
-        tritonserver = _children(process.pid)
-        assert len(tritonserver) == 1
+        tritonserver = _tritonservers(process.pid)
+        assert len(tritonserver) == 1 and len(_children(process.pid)) == 2  # and the front
         stubs = _group(tritonserver[0])
         assert len(stubs) >= 3, stubs  # tritonserver and its two instances' stubs
         # An idle keep-alive connection, which once held the exit up for 30 s.
@@ -490,8 +506,11 @@ def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_not
     assert "Signal (11)" not in text and "Exit timeout expired" not in text
     # It listened where it said: loopback only (the default --host).
     assert f"serving net: http 127.0.0.1:{http}, grpc grpc://127.0.0.1:{grpc}" in text
-    assert f"Started HTTPService at 127.0.0.1:{http}" in text
-    assert f"Started GRPCInferenceService at 127.0.0.1:{grpc}" in text
+    # The front, there; tritonserver on its Unix sockets only.
+    assert f"request front on 127.0.0.1: http {http}, grpc {grpc}" in text
+    assert (
+        "Started HTTPService at unix:" in text and "Started GRPCInferenceService at unix:" in text
+    )
     assert {"refused tritonclient.http", "refused tritonclient.grpc"} <= set(outcomes)
     assert not _group(tritonserver[0]), "a tritonserver or stub process survived"
     assert all(_port_free(port) for port in (http, grpc, metrics))
@@ -561,7 +580,7 @@ def test_a_stop_answers_the_requests_that_had_arrived_and_refuses_later_ones(
         after.append((index, ask(index, ready=late)))
 
     with _serving(spin_artifact, log, "--max-batch", "1") as (process, http, grpc, _):
-        [tritonserver] = _children(process.pid)
+        [tritonserver] = _tritonservers(process.pid)
         for _ in range(3):  # TorchScript's profiling runs: slow
             ask(0)
         with ThreadPoolExecutor(senders + latecomers) as pool:
@@ -605,7 +624,7 @@ def test_a_second_signal_ends_the_stop_at_once_and_says_requests_may_be_cut_off(
     log = tmp_path / "serve.log"
     row = np.zeros((1, 16), np.float32)
     with _serving(spin_artifact, log, "--max-batch", "1") as (process, http, _, _):
-        [tritonserver] = _children(process.pid)
+        [tritonserver] = _tritonservers(process.pid)
         client = triton.InferenceServerClient(f"127.0.0.1:{http}", network_timeout=120)
         with ThreadPoolExecutor(1) as pool:
             # Minutes of computing: the batch outlasts the drain's 30 s.
@@ -701,6 +720,19 @@ def test_tritonserver_shows_no_secret_to_local_users_and_refuses_repository_call
         with pytest.raises(InferenceServerException, match="not allowed"):
             client.unload_model("net")
         assert client.is_model_ready("net")
+        # Shared memory is off unless asked for (--shared-memory), over HTTP and gRPC.
+        over_http = triton.InferenceServerClient(server.url)
+        calls = (
+            ("get_system_shared_memory_status", ()),
+            ("register_system_shared_memory", ("r", "/r", 16)),
+            ("get_cuda_shared_memory_status", ()),
+        )
+        for each in (client, over_http):
+            for method, arguments in calls:
+                with pytest.raises(InferenceServerException, match="memory is off") as refused:
+                    getattr(each, method)(*arguments)
+                assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+        over_http.close()
         client.close()
 
 

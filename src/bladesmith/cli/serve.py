@@ -26,7 +26,11 @@ def add_parser(subparsers) -> None:
             "on Ctrl-C or SIGTERM: answers the requests that had arrived (computed or "
             "queued), refuses later ones (HTTP 503, gRPC UNAVAILABLE: send them again), "
             "then ends Triton and every process it started; a second Ctrl-C or SIGTERM "
-            "ends them at once (exit 1 then, or when the stop was not clean)."
+            "ends them at once (exit 1 then, or when the stop was not clean). Each request is "
+            "checked before Triton sees it: one that is not for the model (names, dtypes, "
+            "shapes, a batch over --max-batch, a body that does not hold what it declares) "
+            "is refused with HTTP 400 / gRPC INVALID_ARGUMENT. A model instance that dies or "
+            "is stopped ends the server, naming it (exit 1)."
         ),
     )
     serve.add_argument("artifact", metavar="ARTIFACT", help=".pt2, .pt or .onnx artifact")
@@ -41,6 +45,20 @@ def add_parser(subparsers) -> None:
     serve.add_argument("--http-port", type=port, default=8000, help="(default 8000)")
     serve.add_argument("--grpc-port", type=port, default=8001, help="(default 8001)")
     serve.add_argument("--metrics-port", type=port, default=8002, help="(default 8002)")
+    serve.add_argument(
+        "--max-request-bytes",
+        type=at_least(1),
+        metavar="BYTES",
+        help="refuse (HTTP 400, gRPC INVALID_ARGUMENT) a request whose inputs' declared "
+        "shapes hold more bytes, before anything is allocated (default: the model's inputs "
+        "times its max batch)",
+    )
+    serve.add_argument(
+        "--shared-memory",
+        action="store_true",
+        help="serve Triton's shared-memory API (register regions, requests naming them), "
+        "to this user's own connections on this machine only; off by default",
+    )
     serve.set_defaults(func=run_serve)
 
     loadtest = subparsers.add_parser(
@@ -138,6 +156,8 @@ def run_serve(args: argparse.Namespace) -> int:
         instances=args.instances,
         device=args.device,
         image_dtype=args.image_dtype,
+        max_request_bytes=args.max_request_bytes,
+        shared_memory=args.shared_memory,
     )
     return 0
 

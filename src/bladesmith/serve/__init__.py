@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import tempfile
 import threading
 import types
 from pathlib import Path
 
+from bladesmith.serve import workdirs
 from bladesmith.serve.client import Client, client
 from bladesmith.serve.repository import Deployment, write_repository
 from bladesmith.serve.server import (
@@ -55,6 +55,8 @@ def serve(
     image_dtype: str = "float32",
     block: bool = True,
     log: str | os.PathLike | None = None,
+    max_request_bytes: int | None = None,
+    shared_memory: bool = False,
 ) -> Server | None:
     """Serve ``artifact`` (``.pt2``, ``.pt`` or ``.onnx`` from ``bladesmith.save``) as
     model ``name`` (default: the file's stem) on HTTP, gRPC and Prometheus-metrics ports
@@ -68,6 +70,13 @@ def serve(
     each in its own process; ``device`` is ``cpu``, ``cuda`` or ``cuda:0,1`` (default: the
     artifact's). ``image_dtype="uint8"`` serves a detector's images as uint8 (a quarter of
     the bytes; made float32 in [0, 1] on the device).
+
+    A request declaring more than ``max_request_bytes`` of inputs (default: the model's
+    inputs times its max batch) is refused (HTTP 400, gRPC INVALID_ARGUMENT) before anything
+    is allocated, as is any request that is not one for the model. Triton's shared-memory
+    API is refused unless ``shared_memory``, and then served to this user's connections
+    only. Where a model instance dies or is stopped, the server is ended within seconds
+    (``serve`` raises ``ServerStopError`` naming it).
 
     ``block``: serve until SIGINT or SIGTERM, then stop (the requests that had arrived are
     answered, later ones refused with HTTP 503 / gRPC UNAVAILABLE; a second signal ends
@@ -85,7 +94,7 @@ def serve(
     deployment = Deployment(
         max_batch, max_queue_delay_us, instances, device, threads, image_dtype=image_dtype
     )
-    workdir = tempfile.TemporaryDirectory(prefix="bladesmith-serve-")
+    workdir = workdirs.work_folder("serve")
     repository = Path(workdir.name) / "models"
     write_repository(
         artifact,
@@ -104,6 +113,8 @@ def serve(
         host=host,
         log=log,
         owns=workdir,
+        max_request_bytes=max_request_bytes,
+        shared_memory=shared_memory,
     )
     server.start()
     if not block:
@@ -129,6 +140,11 @@ def serve(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if not stop.is_set():
+        if server.failure:
+            raise ServerStopError(
+                f"serve: {server.failure}, so the server was ended (its log is above): "
+                "start it again"
+            )
         raise ServerStopError(
             f"serve: tritonserver exited on its own (code {code}; its log is above)"
         )

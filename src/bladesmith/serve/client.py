@@ -14,7 +14,7 @@ concurrent requests.
 from __future__ import annotations
 
 import json
-import os
+import secrets
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -173,10 +173,12 @@ class Client:
     def shared_inputs(self, requests: list[list[np.ndarray]]):
         """Each request's arrays written once into system shared memory and registered
         with the server (which must run on this machine); yields each request's region
-        names for ``infer(..., regions=)``, and unregisters and frees them after."""
+        names for ``infer(..., regions=)``, and unregisters and frees them after. Each
+        region is made anew (mode 0600), under a name nobody can guess: a region someone
+        else made under it is never written into."""
         from tritonclient.utils import shared_memory
 
-        prefix = f"bladesmith-{os.getpid()}-{id(self)}"
+        prefix = f"bladesmith-{secrets.token_hex(8)}"
         made, names = [], []
         try:
             for i, arrays in enumerate(requests):
@@ -185,7 +187,7 @@ class Client:
                     array = _cast(array, *self.inputs[k][:2])
                     name = f"{prefix}-{i}-{k}"
                     region = shared_memory.create_shared_memory_region(
-                        name, f"/{name}", array.nbytes
+                        name, f"/{name}", array.nbytes, create_only=True
                     )
                     made.append((name, region))
                     shared_memory.set_shared_memory_region(region, [np.ascontiguousarray(array)])

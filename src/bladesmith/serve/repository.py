@@ -52,6 +52,10 @@ _BACKENDS_TAKE = (
 # Triton names a model by its folder; letters, digits, '_', '-' and '.' (not first) are
 # safe everywhere (URLs, file systems, metric labels).
 _MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+# What a tensor name (an ONNX graph's: "input.1", "onnx::Gemm_12", "/body/Conv_output_0")
+# may hold to be written into config.pbtxt as it is: no quote, backslash or line break
+# that could end its string and add fields.
+_TENSOR_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,256}")
 VERSION = "1"
 _STANDARD_ONNX_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 
@@ -421,6 +425,13 @@ def _fixed(specs, bucket: int, stem: str | None) -> list[TensorSpec]:
 
 
 def _tensors(kind: str, specs) -> list[str]:
+    for spec in specs:
+        if not _TENSOR_NAME.fullmatch(spec.name):
+            raise BladesmithError(
+                f"export triton: the model's {kind} tensor {spec.name!r} cannot be named in "
+                "config.pbtxt (a tensor name is letters, digits and _ . : / -, at most 256): "
+                "rename it in the model file"
+            )
     return [
         f'{kind} [{{ name: "{spec.name}" data_type: TYPE_{spec.triton_dtype} '
         f"dims: [{', '.join(map(str, spec.dims))}] }}]"

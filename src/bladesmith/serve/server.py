@@ -10,13 +10,26 @@ The environment is set for the Python backend's stub, which embeds Python throug
 '_recursion_count'"), so the running interpreter's own library directory goes first on
 LD_LIBRARY_PATH. The interpreter's ``bin`` goes first on PATH (the stub runs with the
 virtual environment's packages).
+
+tritonserver listens on Unix sockets in the server's own folder (mode 0700), and the
+request front (``front``) on the HTTP and gRPC ports: it checks each request before
+Triton sees it. The regions the Python backend makes in /dev/shm are made the serving
+user's alone (mode 0600) as soon as they are seen: the backend sets 0644 itself, so a
+local user quick enough to open one in the moment between keeps it (a limit of Triton
+2.51 that the security page states). A watch thread ends the server, saying why, when a
+model instance dies or stops, or the front does: Triton 2.51 would keep answering
+"ready" and fail every request. Child processes are started from one thread that lives
+as long as this process, so that they end with the process (PR_SET_PDEATHSIG follows
+the thread that started a child), not with the thread that called ``start``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
+import queue
 import secrets
 import signal
 import subprocess
@@ -26,10 +39,11 @@ import tempfile
 import threading
 import time
 import urllib.request
+from concurrent.futures import Future
 from pathlib import Path
 
 from bladesmith.errors import BladesmithError
-from bladesmith.serve import stopping
+from bladesmith.serve import stopping, workdirs
 
 STARTUP_TIMEOUT_S = 300.0
 # Stopping (``stopping`` says why so): the model instances answer the requests that had
@@ -42,6 +56,10 @@ SEND_TIMEOUT_S = 5.0
 EXIT_TIMEOUT_S = 5
 DEFAULT_HOST = "127.0.0.1"  # this machine only; "0.0.0.0": every interface
 _PORT_FLAGS = ("--http-port", "--grpc-port", "--metrics-port")
+WATCH_S = 0.5  # how often the watch thread looks at the model instances
+STOPPED_LOOKS = 4  # a stub seen stopped (SIGSTOP) this many looks in a row is stuck
+_STUB = "triton_python_backend_stub"
+FRONT = Path(__file__).with_name("front.py")
 
 
 class ServerStopError(BladesmithError):
@@ -95,10 +113,49 @@ def _backend_directory(home: Path, into: Path) -> Path:
     return into
 
 
-def _die_with_parent() -> None:
-    """In the child: receive SIGTERM when the process that started it dies."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+class _Spawner:
+    """Starts child processes from one daemon thread, which lives as long as this
+    process: a child's PR_SET_PDEATHSIG fires when the thread that started it ends."""
+
+    _lock = threading.Lock()
+    _queue: queue.Queue | None = None
+
+    @classmethod
+    def popen(cls, command: list[str], **options) -> subprocess.Popen:
+        with cls._lock:
+            if cls._queue is None:
+                cls._queue = queue.Queue()
+                threading.Thread(
+                    target=cls._run, args=(cls._queue,), name="bladesmith-spawner", daemon=True
+                ).start()
+        started: Future = Future()
+        cls._queue.put((started, command, options))
+        return started.result()
+
+    @staticmethod
+    def _run(requests: queue.Queue) -> None:
+        while True:
+            started, command, options = requests.get()
+            try:
+                started.set_result(subprocess.Popen(command, **options))
+            except BaseException as error:  # noqa: BLE001 - handed to the caller
+                started.set_exception(error)
+
+
+def _die_with_parent(umask: int | None = None):
+    """In the child: receive SIGTERM when the process that started it dies (and set
+    ``umask``)."""
+    parent = os.getpid()
+
+    def prepare() -> None:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # died before the line above
+            os._exit(1)
+        if umask is not None:
+            os.umask(umask)
+
+    return prepare
 
 
 def check_port(port: int, flag: str = "--http-port") -> int:
@@ -186,14 +243,19 @@ def _end_group(group: int, timeout: float = 10.0) -> list[int]:
 
 
 class Server:
-    """tritonserver on ``repository``; ``start()`` returns once it is ready.
+    """tritonserver on ``repository`` behind its request front; ``start()`` returns once
+    it is ready.
 
     It listens on ``host`` (default 127.0.0.1: this machine only; "0.0.0.0": every
-    interface). ``stop()`` has the model instances answer the requests that had arrived
-    (those being computed and those queued) and refuse later ones (HTTP 503, gRPC
-    UNAVAILABLE), then ends tritonserver and its processes (the Python backend's stubs
-    included) and removes its shared memory; ``stop_problem`` says why a stop was not
-    clean (None when it was).
+    interface). The front refuses a request declaring more than ``max_request_bytes`` of
+    inputs (default: each model's inputs times its max batch) and shared memory unless
+    ``shared_memory`` (then for the serving user's connections only). ``stop()`` has
+    the model instances answer the requests that had arrived (those being computed and
+    those queued) and refuse later ones (HTTP 503, gRPC UNAVAILABLE), then ends
+    tritonserver and its processes (the Python backend's stubs included) and removes
+    its shared memory; ``stop_problem`` says why a stop was not clean (None when it
+    was). Where a model instance dies or is stopped, or the front does, the server is
+    ended within seconds: ``failure`` says which (``running()`` is then False).
     """
 
     def __init__(
@@ -206,6 +268,8 @@ class Server:
         host: str = DEFAULT_HOST,
         log: str | Path | None = None,
         owns: tempfile.TemporaryDirectory | None = None,
+        max_request_bytes: int | None = None,
+        shared_memory: bool = False,
     ):
         self.repository = Path(repository)
         for flag, port in zip(_PORT_FLAGS, (http_port, grpc_port, metrics_port)):
@@ -213,12 +277,18 @@ class Server:
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.host = host
         self.log = Path(log) if log else None
+        self.max_request_bytes = max_request_bytes
+        self.shared_memory = shared_memory
         self.stop_problem: str | None = None
+        self.failure: str | None = None
         self._process: subprocess.Popen | None = None
+        self._front: subprocess.Popen | None = None
         self._workdir: tempfile.TemporaryDirectory | None = None
         self._owns = owns  # removed once the server has stopped (a generated repository)
         # The Python backend's shared-memory regions: /dev/shm/PREFIX*, this server's own.
-        self._shm_prefix = f"bladesmith_triton_{os.getpid()}_{secrets.token_hex(4)}_"
+        self._shm_prefix = f"bladesmith_triton_{workdirs.owner_tag()}_{secrets.token_hex(4)}_"
+        self._ended = threading.Event()  # set once stop() or the watch ends the server
+        self._lock = threading.Lock()
 
     @property
     def url(self) -> str:
@@ -237,9 +307,11 @@ class Server:
         check_ports_free(
             self.host, dict(zip(_PORT_FLAGS, (self.http_port, self.grpc_port, self.metrics_port)))
         )
-        self.stop_problem = None
-        self._workdir = tempfile.TemporaryDirectory(prefix="bladesmith-triton-")
-        backends = _backend_directory(home, Path(self._workdir.name) / "backends")
+        self.stop_problem = self.failure = None
+        self._ended.clear()
+        self._workdir = workdirs.work_folder("triton")
+        folder = Path(self._workdir.name)
+        backends = _backend_directory(home, folder / "backends")
         command = [
             str(home / "bin" / "tritonserver"),
             f"--model-repository={self.repository}",
@@ -247,50 +319,112 @@ class Server:
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
             # No model control: nobody loads or unloads a model through the repository
             # API, so no secret opens it (a command line is every local user's to read).
-            f"--http-address={self.host}",
-            f"--grpc-address={self.host}",
+            # HTTP and gRPC on Unix sockets in the folder (the serving user's alone),
+            # behind the front; the port numbers are ignored (gRPC's is in its path).
+            f"--http-address=unix:{folder / 'http'}",
+            "--http-port=1",
+            f"--grpc-address=unix:{folder / 'grpc'}",
+            "--grpc-port=1",
             f"--metrics-address={self.host}",
-            f"--http-port={self.http_port}",
-            f"--grpc-port={self.grpc_port}",
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
             "--allow-gpu-metrics=false",
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
         ]
-        output = open(self.log, "ab") if self.log else None  # noqa: SIM115 - the child keeps it
-        try:
-            self._process = subprocess.Popen(
-                command,
-                env={**server_environment(), **stopping.environment(Path(self._workdir.name))},
-                stdout=output,
-                stderr=subprocess.STDOUT if output else None,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # the terminal's Ctrl-C reaches us; we stop it
-                preexec_fn=_die_with_parent,
+        front = folder / "front.json"
+        front.write_text(
+            json.dumps(
+                {
+                    "repository": str(self.repository),
+                    "host": self.host,
+                    "http_port": self.http_port,
+                    "grpc_port": self.grpc_port,
+                    "http_socket": str(folder / "http"),
+                    "grpc_socket": str(folder / "grpc:1"),
+                    "max_request_bytes": self.max_request_bytes,
+                    "shared_memory": self.shared_memory,
+                }
             )
-        finally:
-            if output:
-                output.close()
+        )
         try:
+            self._launch(command, folder, front)
             self._wait_ready(timeout)
         except BaseException:
             self.stop()
             raise
+        stubs = _stubs(self._process.pid)
+        threading.Thread(
+            target=self._watch, args=(self._process, self._front, stubs), daemon=True
+        ).start()
         return self
+
+    def _launch(self, command: list[str], folder: Path, front: Path) -> None:
+        """Start tritonserver and the front (``front``: its config)."""
+        output = open(self.log, "ab") if self.log else None  # noqa: SIM115 - the child keeps it
+        common = {
+            "stdout": output,
+            "stderr": subprocess.STDOUT if output else None,
+            "stdin": subprocess.DEVNULL,
+            "start_new_session": True,  # the terminal's Ctrl-C reaches us; we stop them
+        }
+        try:
+            self._process = _Spawner.popen(
+                command,
+                env={**server_environment(), **stopping.environment(folder)},
+                preexec_fn=_die_with_parent(umask=0o077),  # its files: 0600
+                **common,
+            )
+            # Run as a script: the front imports neither torch nor bladesmith.
+            run = f"import runpy; runpy.run_path({str(FRONT)!r}, run_name='__main__')"
+            self._front = _Spawner.popen(
+                [sys.executable, "-c", run, str(front)], preexec_fn=_die_with_parent(), **common
+            )
+        finally:
+            if output:
+                output.close()
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                hint = f" (log: {self.log})" if self.log else " (its log is above)"
-                raise BladesmithError(
-                    f"serve: tritonserver exited with code {self._process.returncode} while "
-                    f"starting{hint}"
-                )
+            for what, process in (("tritonserver", self._process), ("the front", self._front)):
+                if process is None or process.poll() is not None:
+                    hint = f" (log: {self.log})" if self.log else " (its log is above)"
+                    raise BladesmithError(
+                        f"serve: {what} exited with code {process.returncode} while starting{hint}"
+                    )
+            self._restrict_shared_memory()  # as soon as the backend makes its regions
             if self.ready():
                 return
-            time.sleep(0.25)
+            time.sleep(0.05)
         raise BladesmithError(f"serve: tritonserver was not ready after {timeout:.0f} s")
+
+    def _watch(self, process, front, stubs: dict[int, str]) -> None:
+        """End the server, saying why, once a model instance dies or stays stopped, or
+        the front exits (until the server is ended otherwise)."""
+        stopped = dict.fromkeys(stubs, 0)
+        while not self._ended.wait(WATCH_S):
+            self._restrict_shared_memory()  # a region grown or made anew
+            failure = None
+            if front.poll() is not None:
+                failure = f"the request front exited (code {front.returncode})"
+            for pid, name in stubs.items():
+                state = _state(pid)
+                stopped[pid] = stopped[pid] + 1 if state == "T" else 0
+                if state in ("", "Z", "X"):
+                    failure = f"model instance {name} (pid {pid}) died"
+                elif stopped[pid] >= STOPPED_LOOKS:
+                    failure = f"model instance {name} (pid {pid}) is stopped (stuck)"
+            if failure is None or process.poll() is not None:
+                continue  # tritonserver exiting by itself is said by stop()
+            with self._lock:
+                if self._ended.is_set():
+                    return
+                self.failure = failure
+                print(f"bladesmith serve: {failure}: ending the server", file=sys.stderr)
+                _end_group(front.pid)
+                _end_group(process.pid)
+                process.wait()
+                return
 
     def _health(self, what: str) -> bool:
         url = f"http://{_url_host(self.host)}:{self.http_port}/v2/health/{what}"
@@ -307,7 +441,7 @@ class Server:
         return self._health("live")
 
     def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
+        return all(p is not None and p.poll() is None for p in (self._process, self._front))
 
     def wait(self, stop: threading.Event) -> None:
         """Block until ``stop`` is set or the server exits."""
@@ -322,11 +456,14 @@ class Server:
         its shared memory; once ``cut_short`` is set, end them without waiting any longer
         (requests may be cut off). Returns tritonserver's exit code where it had exited by
         itself, else 0 (``stop_problem`` says what went wrong, None after a clean stop)."""
+        with self._lock:
+            self._ended.set()
         process, self._process = self._process, None
+        front, self._front = self._front, None
         code = None
-        problems, left = [], []
+        problems, left = [self.failure], []
         if process is not None:
-            if process.poll() is None:
+            if process.poll() is None and front is not None and front.poll() is None:
                 try:
                     problems.append(
                         stopping.refuse_and_drain(
@@ -341,15 +478,14 @@ class Server:
                     problems.append(f"the stop could not drain ({error})")
                 if cut_short is not None and cut_short.is_set():
                     problems.append("the stop was cut short: requests may have been cut off")
-                exited = process.poll() is not None  # by itself, meanwhile (a crash)
-                left = _end_group(process.pid)  # tritonserver and its stubs
-                # Killed here, unless it had exited by itself meanwhile.
-                returned = process.wait()
-                code, left = (returned, left) if exited else (0, [])
-            else:
-                code = process.returncode
-                left = _end_group(process.pid)  # a crashed tritonserver leaves its stubs
-            if code:
+        if front is not None:  # before Triton: it answers what it holds, then closes
+            _stop_front(front, cut_short)
+        if process is not None:
+            exited = process.poll() is not None  # by itself, meanwhile (a crash)
+            left = _end_group(process.pid)  # tritonserver and its stubs
+            returned = process.wait()  # killed here, unless it had exited by itself
+            code, left = (returned, left) if exited else (0, [])
+            if code and self.failure is None:
                 problems.append(f"tritonserver exited with code {code}")
             if left:
                 problems.append(f"killed {len(left)} process(es) it left running")
@@ -366,6 +502,13 @@ class Server:
         with urllib.request.urlopen(self.metrics_url, timeout=2.0) as page:
             return stopping.pending_requests(page.read().decode())
 
+    def _restrict_shared_memory(self) -> None:
+        """Make this server's Python-backend regions the serving user's alone (0600)."""
+        for region in Path("/dev/shm").glob(f"{self._shm_prefix}*"):
+            with contextlib.suppress(OSError):
+                if region.stat().st_mode & 0o077:
+                    region.chmod(0o600)
+
     def _remove_shared_memory(self) -> None:
         """This server's Python-backend regions left in /dev/shm (a crash leaves them)."""
         shm = Path("/dev/shm")
@@ -379,3 +522,36 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _stop_front(front: subprocess.Popen, cut_short: threading.Event | None) -> None:
+    """Have the front answer the requests it holds and exit (SIGTERM), ended where it has
+    not after its grace, or at once when the stop is ``cut_short``."""
+    if front.poll() is None and not (cut_short is not None and cut_short.is_set()):
+        front.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            front.wait(SEND_TIMEOUT_S + 2)
+    _end_group(front.pid)
+    front.wait()
+
+
+def _state(pid: int) -> str:
+    """Process ``pid``'s state letter (R, S, T, Z, ...), "" where there is none."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _stubs(server: int) -> dict[int, str]:
+    """The Python backend's stubs of tritonserver ``server``: pid -> model instance name
+    (the word after its backends folder and a number on the stub's command line)."""
+    stubs = {}
+    for pid in _group_members(server):
+        try:
+            arguments = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if arguments and arguments[0].endswith(_STUB):
+            stubs[pid] = arguments[8] if len(arguments) > 8 else f"pid {pid}"
+    return stubs
