@@ -28,7 +28,7 @@ def small_net() -> nn.Module:
 def two_batches(tmp_path_factory):
     """A net optimized on batches 1 and 4 (batch 1 twice: one signature), saved as .pt2
     (save loads it in a new process and checks it at both), and the steps save showed."""
-    from bladesmith.engine.progress import Progress
+    from bladesmith.progress import Progress
 
     one, four = torch.randn(1, 3, 8, 8), torch.randn(4, 3, 8, 8)
     optimized, spec, _ = bladesmith.optimize(

@@ -35,7 +35,7 @@ from bladesmith.errors import BladesmithError, MissingFileError, NotAnArtifactEr
 from bladesmith.families import Family, family_named
 from bladesmith.onnx.exporter import baked_arguments
 from bladesmith.ops import libraries
-from bladesmith.runtimes.inputs import (
+from bladesmith.runtimes.built_for import (
     BuiltFor,
     Checked,
     describe_tensors,
@@ -306,7 +306,7 @@ def _write_aoti(module, calls: list[tuple], path: Path, metadata: dict, inductor
     from torch._inductor.package import package_aoti
 
     from bladesmith.config import Config
-    from bladesmith.engine.progress import Progress
+    from bladesmith.progress import Progress
 
     several = len(calls) > 1
     why = f"AOTInductor compiled {'one model for each of' if several else 'it for'} these shapes"

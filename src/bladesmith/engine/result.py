@@ -17,7 +17,7 @@ from bladesmith.ops import libraries
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.precision import BFLOAT16_PASSES, NO_ONNX_BF16
 from bladesmith.passes.registry import Context
-from bladesmith.runtimes.inputs import tensors_in
+from bladesmith.runtimes.built_for import tensors_in
 from bladesmith.runtimes.torchscript import is_torchscript
 from bladesmith.spec import (
     AOTI_SUFFIX,

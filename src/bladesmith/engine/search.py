@@ -40,7 +40,7 @@ from bladesmith.engine.inputs import (
     to_device,
     working_copy,
 )
-from bladesmith.engine.progress import Progress
+from bladesmith.progress import Progress
 from bladesmith.engine.reference import Reference
 from bladesmith.engine.result import (
     compatibility,

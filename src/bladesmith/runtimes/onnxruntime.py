@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
-from bladesmith.runtimes.inputs import follows_the_batch, tensors_in
+from bladesmith.runtimes.built_for import follows_the_batch, tensors_in
 
 
 class OnnxRunner:

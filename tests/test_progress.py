@@ -76,7 +76,7 @@ def test_a_result_in_doubt_says_so_on_its_line(capsys):
     import time
 
     from bladesmith import bench
-    from bladesmith.engine.progress import Progress
+    from bladesmith.progress import Progress
 
     progress = Progress(enabled=True)
     progress.lines = True  # as when stderr is piped

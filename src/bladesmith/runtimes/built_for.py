@@ -22,7 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bladesmith.errors import BladesmithError
-from bladesmith.onnx.runtime import given_argument, holds_argument
+from bladesmith.onnx.sessions import given_argument, holds_argument
 
 
 def tensors_in(tree) -> list[torch.Tensor]:
