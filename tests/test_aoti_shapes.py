@@ -102,7 +102,7 @@ def test_a_pt2_loads_each_model_by_name_where_torchs_package_reader_refuses_it(
 
 def test_save_checks_a_pt2_at_every_signature(two_batches, monkeypatch):
     from bladesmith import fresh_load
-    from bladesmith.artifact import reload_problem
+    from bladesmith.fresh_load import reload_problem
 
     optimized, _, path, batches, _ = two_batches
     right = [optimized(x) for x in batches]

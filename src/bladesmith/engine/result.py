@@ -9,8 +9,8 @@ from collections.abc import Callable
 import torch
 
 from bladesmith import bench
-from bladesmith.artifact import try_formats
 from bladesmith.bench import Speedup
+from bladesmith.engine.saved_formats import try_formats
 from bladesmith.onnx import user_ops
 from bladesmith.onnx.exporter import held_constants
 from bladesmith.ops import libraries

@@ -40,7 +40,6 @@ from bladesmith.engine.inputs import (
     to_device,
     working_copy,
 )
-from bladesmith.progress import Progress
 from bladesmith.engine.reference import Reference
 from bladesmith.engine.result import (
     compatibility,
@@ -57,6 +56,7 @@ from bladesmith.ops import libraries
 from bladesmith.passes import registry
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, PassSkipped
+from bladesmith.progress import Progress
 from bladesmith.report import PassRecord, Report, hardware_context, software_context
 from bladesmith.runtimes.torchscript import is_torchscript
 from bladesmith.spec import SAVE_FORMATS, Spec

@@ -100,6 +100,16 @@ class BuiltFor:
         return ", ".join([describe_tensors(list(zip(shapes, self.dtypes))), *held])
 
 
+def one_per_signature(calls: list[tuple]) -> list[tuple]:
+    """The first of ``calls`` of each input signature (shapes and dtypes, and the
+    non-tensor arguments, which a .pt2's model holds as constants), in order."""
+    firsts = {}
+    for args in calls:
+        constants = [repr(leaf) for leaf in pytree.tree_leaves(args) if not torch.is_tensor(leaf)]
+        firsts.setdefault((signature(args), *constants), args)
+    return list(firsts.values())
+
+
 def describe_tensors(tensors) -> str:
     """(shape, dtype) pairs (a ``signature``) as ``[1, 3, 8, 8] float32, [1] int64``."""
     if not tensors:
