@@ -77,6 +77,7 @@ def optimize(
     *,
     passes: Sequence[Pass] | None = None,
     device_type: str | None = None,
+    trust: bool = False,
 ) -> tuple[OptimizedModule, Spec, Report]:
     """Optimize ``model`` for ``device``; return (optimized module, spec, report).
 
@@ -92,6 +93,8 @@ def optimize(
     ``config``: a ``Config``; default: the innermost ``with Config(...)``, else defaults.
     ``passes``: the passes to try, in order (default: every registered pass).
     ``device_type``: PAI-Blade's name for ``device`` ("gpu", "cpu"): give either.
+    ``trust``: read a ``.pt2`` file that holds pickled objects or compiled code, which
+    run as it loads (refused otherwise: docs/security.md).
 
     The optimized module takes the same arguments and returns the same structure as
     the model (``Config(output="padded")`` returns a detector's padded tensors).
@@ -104,7 +107,7 @@ def optimize(
     progress = Progress(config.progress)
 
     entries = argument_tuples(test_data)
-    working, model_info = working_copy(model, device)
+    working, model_info = working_copy(model, device, trust)
     test_args = [pytree.tree_map(lambda x: to_device(x, device), args) for args in entries]
     context = Context(
         device=device,
