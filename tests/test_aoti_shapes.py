@@ -118,7 +118,8 @@ def test_save_checks_a_pt2_at_every_signature(two_batches, monkeypatch):
 def test_a_pt2_of_one_model_written_the_old_way_still_loads(tmp_path):
     """As bladesmith wrote every .pt2 before it held a model per signature: one model,
     compiled by aoti_compile_and_package, its metadata without "models"."""
-    from bladesmith.artifact import METADATA_KEY, _metadata
+    from bladesmith.artifact import _metadata
+    from bladesmith.runtimes.formats import METADATA_KEY
 
     x = torch.randn(2, 3, 8, 8)
     optimized, _, _ = bladesmith.optimize(

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[1] / "README.md"
 # What keeps these runs short: small photographs, few timed runs, only the passes that
 # rebuild the detector and change its layout.
 SLOW_PASSES = ("winograd", "norm_folding", "torchscript", "onnxruntime")

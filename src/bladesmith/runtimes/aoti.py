@@ -26,17 +26,20 @@ NEEDS_FAKE_KERNELS = True  # torch.export traces the operators on fake tensors
 DEVICE_ERROR = "Cannot load AOTInductor package for device"
 
 
-def write(module, calls: list[tuple], path: Path, metadata: dict, *, key: str, **options) -> None:
+def write(
+    module, calls: list[tuple], path: Path, metadata: dict, *, key: str, name: str, **options
+) -> None:
     """An AOTInductor package of one model of ``module`` per input signature of ``calls``,
     each compiled for its shapes; the first is torch's default, "model" (what
     ``aoti_load_package`` loads). Every model carries the metadata (under ``key``), which
-    names them. ``options``: AOTInductor's (``inductor_configs``) and ``progress``."""
+    names them; ``name``: the file's, as the steps show it. ``options``: AOTInductor's
+    (``inductor_configs``) and ``progress``."""
     from torch._inductor.package import package_aoti
 
     several = len(calls) > 1
     why = f"AOTInductor compiled {'one model for each of' if several else 'it for'} these shapes"
     signatures = [signature(args) for args in calls]
-    names = [f"model_{i}" if i else "model" for i in range(len(calls))]
+    models = [f"model_{i}" if i else "model" for i in range(len(calls))]
     # "inputs" (the spec's, the first signature's) is what "model" alone runs: what a
     # bladesmith that predates "models" loads and checks.
     metadata["inputs"] = {"free_batch": False, "why": why}
@@ -48,7 +51,7 @@ def write(module, calls: list[tuple], path: Path, metadata: dict, *, key: str, *
             # AOTInductor keeps no guard on them: the loader checks each call's.
             "constants": baked_arguments(module, args),
         }
-        for name, each, args in zip(names, signatures, calls)
+        for name, each, args in zip(models, signatures, calls)
     ]
     progress = Progress(options.pop("progress", None))
     options = {
@@ -57,12 +60,12 @@ def write(module, calls: list[tuple], path: Path, metadata: dict, *, key: str, *
         "aot_inductor.metadata": {key: json.dumps(metadata)},
     }
     files = {}
-    for number, (name, args, each) in enumerate(zip(names, calls, signatures), 1):
-        step = f"saving {path.name}: AOTInductor compiling for {describe_tensors(each)}"
+    for number, (model, args, each) in enumerate(zip(models, calls, signatures), 1):
+        step = f"saving {name}: AOTInductor compiling for {describe_tensors(each)}"
         with progress.step(f"{step} ({number} of {len(calls)})" if several else step):
             exported = torch.export.export(module, args, strict=False)
             # What aoti_compile_and_package compiles, kept apart to package several.
-            files[name] = torch._inductor.aot_compile(
+            files[model] = torch._inductor.aot_compile(
                 exported.module(check_guards=False), args, options=options
             )
     package_aoti(str(path), files)

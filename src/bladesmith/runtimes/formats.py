@@ -70,7 +70,7 @@ def write(module, calls: list[tuple], path: Path, metadata: dict, form: str, **o
         metadata["libraries"] = libraries.store_needed(
             module, calls[0], folder, fake_kernels_for=fake_kernels_for
         )
-        runtime.write(module, calls, file, metadata, key=METADATA_KEY, **options)
+        runtime.write(module, calls, file, metadata, key=METADATA_KEY, name=path.name, **options)
 
 
 def read(path: Path, info: dict):
