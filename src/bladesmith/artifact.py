@@ -61,7 +61,7 @@ class OptimizedModule(nn.Module):
         super().__init__()
         self._run = run
         # Runs at its spec's batch only (an AOTInductor package; a trace that keeps its
-        # example's batch): it refuses others (runtimes/inputs.py)...
+        # example's batch): it refuses others (runtimes/built_for.py)...
         self.batch_fixed = bool(batch_fixed)
         # ...and those of ``batches``, a .pt2's that holds a model for each (the spec's
         # other dimensions and dtypes; what serving can fill as buckets).
