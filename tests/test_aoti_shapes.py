@@ -30,7 +30,7 @@ def small_net() -> nn.Module:
 def two_batches(tmp_path_factory):
     """A net optimized on batches 1 and 4 (batch 1 twice: one signature), saved as .pt2
     (save loads it in a new process and checks it at both), and the steps save showed."""
-    from bladesmith.engine.progress import Progress
+    from bladesmith.progress import Progress
 
     one, four = torch.randn(1, 3, 8, 8), torch.randn(4, 3, 8, 8)
     optimized, spec, _ = bladesmith.optimize(
@@ -104,7 +104,7 @@ def test_a_pt2_loads_each_model_by_name_where_torchs_package_reader_refuses_it(
 
 def test_save_checks_a_pt2_at_every_signature(two_batches, monkeypatch):
     from bladesmith import fresh_load
-    from bladesmith.artifact import reload_problem
+    from bladesmith.fresh_load import reload_problem
 
     optimized, _, path, batches, _ = two_batches
     right = [optimized(x) for x in batches]
@@ -120,7 +120,8 @@ def test_save_checks_a_pt2_at_every_signature(two_batches, monkeypatch):
 def test_a_pt2_of_one_model_written_the_old_way_still_loads(tmp_path):
     """As bladesmith wrote every .pt2 before it held a model per signature: one model,
     compiled by aoti_compile_and_package, its metadata without "models"."""
-    from bladesmith.artifact import METADATA_KEY, _metadata
+    from bladesmith.artifact import _metadata
+    from bladesmith.runtimes.formats import METADATA_KEY
 
     x = torch.randn(2, 3, 8, 8)
     optimized, _, _ = bladesmith.optimize(

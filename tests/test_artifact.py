@@ -251,22 +251,28 @@ def test_save_and_load_errors_say_what_is_wrong(tmp_path):
 
 
 def test_inputs_count_as_on_the_device_only_when_every_tensor_is():
-    from bladesmith.artifact import _all_on
+    from bladesmith.devices import moved_to
 
     cpu, meta = torch.zeros(1), torch.zeros(1, device="meta")
-    home = torch.device("cpu")
-    assert _all_on(home, ([cpu, cpu], {"x": cpu, "k": 3}, "text"))
-    assert not _all_on(home, ([cpu, meta],))
-    assert not _all_on(home, ({"nested": (cpu, {"deep": meta})},))
+    home = torch.device("meta")
+    there = ([meta, meta], {"x": meta, "k": 3}, "text")
+    assert moved_to(home, there) is there
+    moved = moved_to(home, ({"nested": (cpu, {"deep": meta})},))
+    assert [x.device for x in moved[0]["nested"][:1] + (moved[0]["nested"][1]["deep"],)] == [
+        home,
+        home,
+    ]
 
 
 def test_save_formats_are_those_saved_and_loaded_back_with_the_same_outputs(monkeypatch):
     from bladesmith.runtimes import torchscript
 
-    def broken_freeze(module, args):  # a TorchScript that computes something else
-        return torchscript.freeze(Doubled(module), args)
+    freeze = torchscript.freeze
 
-    monkeypatch.setattr("bladesmith.artifact.freeze", broken_freeze)
+    def broken_freeze(module, args):  # a TorchScript that computes something else
+        return freeze(Doubled(module), args)
+
+    monkeypatch.setattr("bladesmith.runtimes.torchscript.freeze", broken_freeze)
     _, spec, _ = optimized_net()
     assert ".pt" not in spec.save_formats
     assert "outputs moved past tolerance" in spec.refused_formats[".pt"]
@@ -307,7 +313,7 @@ def test_a_reloaded_detector_is_judged_as_the_gate_judges_its_dtype(
     import dataclasses
 
     from bladesmith import fresh_load
-    from bladesmith.artifact import reload_problem
+    from bladesmith.fresh_load import reload_problem
 
     optimized, spec, _ = detector
     outputs = optimized(*optimized.example_args)

@@ -10,10 +10,17 @@ holds when it is not what was expected.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import secrets
+import shutil
+import signal
+import sys
 import tempfile
+import threading
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -38,6 +45,104 @@ def move_into_place(temporary: str | os.PathLike, path: str | os.PathLike) -> No
     """Rename a finished file to ``path`` (same file system), with a new file's mode."""
     os.chmod(temporary, _new_file_mode())
     os.replace(temporary, path)
+
+
+# Names of what ``replacing`` writes, beside the targets: ".NAME.saving-PID-XXXXXXXX".
+_SAVING = ".saving-"
+_SAVER = re.compile(re.escape(_SAVING) + r"(\d+)-")
+
+
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike, folder: str | os.PathLike) -> Iterator[tuple[Path, Path]]:
+    """A file and the folder beside it (an artifact and its libraries) replaced together.
+
+    Yields a temporary file name and an empty temporary folder beside the targets, for
+    the block to write. When it ends cleanly, the folder (none, if left empty) and then
+    the file take their places, each by a rename, the previous folder removed last; when
+    it raises (or SIGTERM ends it, in the main thread), both are removed and the
+    previous file and folder are as they were. What a save killed outright left beside
+    them (its process gone) is removed first. Between the renames, microseconds, the old
+    file and the new folder are together."""
+    path, folder = Path(path), Path(folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(path, folder)
+    tag = f"{_SAVING}{os.getpid()}-{secrets.token_hex(4)}"
+    file = path.with_name(f".{path.name}{tag}{path.suffix}")  # some writers check it
+    staged = folder.with_name(f".{folder.name}{tag}")
+    staged.mkdir()
+    try:
+        with _sigterm_as_exit():
+            yield file, staged
+            _swap(file, path, staged, folder, folder.with_name(f".{folder.name}{tag}-old"))
+    finally:
+        file.unlink(missing_ok=True)
+        _remove(staged)
+
+
+def _swap(file: Path, path: Path, staged: Path, folder: Path, aside: Path) -> None:
+    had_folder = folder.exists() or folder.is_symlink()
+    if had_folder:
+        os.replace(folder, aside)
+    try:
+        if any(staged.iterdir()):
+            os.replace(staged, folder)
+        move_into_place(file, path)
+    except BaseException:
+        if had_folder:
+            _remove(folder)
+            os.replace(aside, folder)
+        raise
+    _remove(aside)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_leftovers(path: Path, folder: Path) -> None:
+    """What ``replacing`` wrote for ``path`` and ``folder`` in a process that has ended."""
+    if sys.platform == "win32" or not path.parent.is_dir():
+        return  # no signal 0 there to ask whether a process is running
+    for name in (path.name, folder.name):
+        for leftover in path.parent.glob(f".{name}{_SAVING}*"):
+            match = _SAVER.search(leftover.name[len(name) + 1 :])
+            if match is not None and not _running(int(match.group(1))):
+                _remove(leftover)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM raises SystemExit inside the block, so that the block's clean-up runs;
+    only where SIGTERM would end the process anyway (the main thread, torch's and the
+    user's own handler untouched)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def end(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, end)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _new_file_mode() -> int:

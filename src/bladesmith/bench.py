@@ -51,7 +51,7 @@ PLAUSIBLE_SPEEDUP = {"cpu": 20.0}  # above it: more than removing the work could
 DEFAULT_PLAUSIBLE_SPEEDUP = 100.0  # accelerators, where CUDA graphs remove launch costs
 
 # progress(stage, done, total): stage is "warmup" or "timing"; called after each run.
-Progress = Callable[[str, int, int], None]
+TimingCallback = Callable[[str, int, int], None]
 
 
 def percentile(values: Sequence[float] | np.ndarray, q: float) -> float:
@@ -129,7 +129,7 @@ def measure(
     iters: int = DEFAULT_ITERS,
     device=None,
     batch_size: int = 1,
-    progress: Progress | None = None,
+    progress: TimingCallback | None = None,
 ) -> Timing:
     """Time ``fn(*args, **kwargs)``: ``warmup`` untimed runs, then ``iters`` timed ones.
 
@@ -215,7 +215,7 @@ def compare(
     rounds: int = DEFAULT_ROUNDS,
     device=None,
     batch_size: int = 1,
-    progress: Progress | None = None,
+    progress: TimingCallback | None = None,
     undecided: Callable[[Speedup], bool] | None = None,
     max_extensions: int = 0,
 ) -> Speedup:

@@ -253,3 +253,18 @@ def _cpu_device() -> DeviceInfo:
         logical_cores=os.cpu_count(),
         torch_threads=torch.get_num_threads(),
     )
+
+
+def moved_to(device: torch.device, tree):
+    """``tree`` (nested arguments) with every tensor on ``device``; ``tree`` itself when
+    all are there already: the usual case, checked without pytree's cost."""
+    from torch.utils import _pytree as pytree
+
+    from bladesmith.bench import iter_tensors
+
+    home = with_index(device)  # as tensors report it
+    if all(tensor.device == home for tensor in iter_tensors(tree)):
+        return tree
+    return pytree.tree_map(
+        lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device != home else x, tree
+    )

@@ -4,7 +4,8 @@ A loader that crashes (a native segmentation fault inside torch's AOTInductor pa
 loader, say) would take the saving process down with it; in a child it becomes an exit
 status, and the artifact is reported as not loading rather than the save crashing. A
 new process also proves what an in-process reload cannot: that nothing the saving
-process had loaded (operator libraries, compiled kernels) is needed.
+process had loaded (operator libraries, compiled kernels) is needed. ``reload_problem``
+compares what it gives with the optimized module.
 """
 
 from __future__ import annotations
@@ -55,6 +56,32 @@ def run_saved_each(path: Path, calls: list[tuple]) -> tuple[list | None, str | N
         if result.returncode != 0:
             return None, _why(result)
         return torch.load(outputs, weights_only=True), None
+
+
+def reload_problem(optimized, path: Path) -> str | None:
+    """Why the artifact at ``path`` is not ``optimized`` (it does not load and run in a
+    new process, or its outputs on a test input of each signature differ past the spec's
+    tolerance there), or None when it is."""
+    from bladesmith.runtimes.built_for import describe_tensors, signature
+    from bladesmith.verify import compare_outputs, detection_score_tolerance
+
+    calls = optimized.verified_args
+    outputs, problem = run_saved_each(path, calls)
+    if problem is not None:
+        return f"it does not load back: {problem}"
+    spec = optimized.spec
+    rtol, atol = spec.tolerance.get("rtol"), spec.tolerance.get("atol")
+    # Detection scores as the gate judged them: what the dtype computed in may move them.
+    judged_at = rtol + atol if rtol is not None and atol is not None else 0.0
+    score_atol = detection_score_tolerance(getattr(torch, spec.dtype), judged_at)
+    for args, got in zip(calls, outputs, strict=True):
+        comparison = compare_outputs(
+            optimized(*args), got, rtol=rtol, atol=atol, score_atol=score_atol
+        )
+        if not comparison.passed:
+            at = f" at {describe_tensors(signature(args))}" if len(calls) > 1 else ""
+            return f"loaded back, its outputs{at} differ: {comparison.summary()}"
+    return None
 
 
 def _why(result: subprocess.CompletedProcess) -> str:

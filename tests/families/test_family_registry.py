@@ -71,8 +71,8 @@ def test_artifacts_load_with_torchvisions_operators():
 
     script = (
         "import torch\n"
-        "from bladesmith.artifact import _load_custom_ops\n"
-        "assert _load_custom_ops() is None\n"
+        "from bladesmith.ops import load_builtin\n"
+        "assert load_builtin() is None\n"
         "torch.ops.torchvision.roi_align.default\n"
         "print('ok')\n"
     )

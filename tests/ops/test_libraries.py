@@ -4,6 +4,7 @@ in new processes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -109,7 +110,8 @@ def test_optimize_save_bench_and_load_in_new_processes(user_library, model_file,
     )
     assert result.returncode == 0, result.stderr
     saved = json.loads((tmp_path / "opt.pt.libs" / "libraries.json").read_text())
-    assert saved == [{"file": user_library.name, "operators": [OPERATOR]}]
+    digest = hashlib.sha256(user_library.read_bytes()).hexdigest()
+    assert saved == [{"file": user_library.name, "operators": [OPERATOR], "sha256": digest}]
     data = json.loads(report.read_text())
     records = {record["name"]: record for record in data["optimizations"]}
     for name in ("torchscript", "channels_last"):  # applied to TorchScript, then judged

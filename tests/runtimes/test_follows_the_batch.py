@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from bladesmith.passes.precision import AutocastFloats
-from bladesmith.runtimes.inputs import follows_the_batch
+from bladesmith.runtimes.built_for import follows_the_batch
 from bladesmith.runtimes.torchscript import freeze, quiet_torchscript
 
 

@@ -62,6 +62,17 @@ def port(text: str) -> int:
     return value
 
 
+def add_trust_option(parser: argparse.ArgumentParser) -> None:
+    """``--trust``: read a .pt2 model file that holds more than tensors (pickled objects,
+    compiled code), which torch.export.load runs (docs/security.md)."""
+    parser.add_argument(
+        "--trust",
+        action="store_true",
+        help="read a .pt2 MODEL even where it holds pickled objects or compiled code, "
+        "which run as it loads: only for files from someone you trust",
+    )
+
+
 def add_load_library(parser: argparse.ArgumentParser, note: str = "") -> None:
     """``--load-library PATH`` (repeatable): the user's operator libraries, loaded
     (``torch.ops.load_library``) before the command reads a model; ``note`` says more

@@ -14,6 +14,7 @@ import argparse
 
 from bladesmith.cli.args import (
     add_library_options,
+    add_trust_option,
     at_least,
     input_size,
     output_file,
@@ -83,6 +84,7 @@ def add_parser(subparsers) -> None:
         help="write the weights to OUT.data (automatic past 2 GiB)",
     )
     add_library_options(parser)
+    add_trust_option(parser)
     parser.set_defaults(func=run)
     _add_triton_parser(formats)
 
@@ -121,7 +123,9 @@ def _load_model(args):
     from bladesmith.cli.models import load_model
     from bladesmith.families import family_of
 
-    model = load_model(args.model, args.input_size or DEFAULT_SIZE, args.weights, args.num_classes)
+    model = load_model(
+        args.model, args.input_size or DEFAULT_SIZE, args.weights, args.num_classes, args.trust
+    )
     _settle_input_shape(args, _exported_input_shape(model))
     family = family_of(model)
     if family is None:

@@ -35,14 +35,17 @@ def model_or_file(name: str, input_size: tuple[int, int], weights=None, num_clas
     return name
 
 
-def load_model(name: str, input_size: tuple[int, int], weights=None, num_classes: int = 91):
-    """``model_or_file``, a file loaded as a module in eval mode."""
+def load_model(
+    name: str, input_size: tuple[int, int], weights=None, num_classes: int = 91, trust=False
+):
+    """``model_or_file``, a file loaded as a module in eval mode (``trust``: see
+    ``load_model_file``)."""
     from bladesmith.engine import load_model_file
     from bladesmith.runtimes.torchscript import in_eval_mode
 
     model = model_or_file(name, input_size, weights, num_classes)
     if isinstance(model, str):
-        model = load_model_file(model)
+        model = load_model_file(model, trust=trust)
     return in_eval_mode(model)
 
 

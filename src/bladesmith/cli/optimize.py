@@ -15,6 +15,7 @@ from pathlib import Path
 
 from bladesmith.cli.args import (
     add_library_options,
+    add_trust_option,
     at_least,
     batch_sizes,
     input_size,
@@ -55,6 +56,7 @@ def add_parser(subparsers) -> None:
     )
     _add_run_options(optimize)
     add_library_options(optimize)
+    add_trust_option(optimize)
     optimize.add_argument(
         "--out",
         type=output_file(*SAVE_SUFFIXES),
@@ -178,7 +180,12 @@ def run_optimize(args: argparse.Namespace) -> int:
     )
     try:
         optimized, spec, report = bladesmith.optimize(
-            model, level=args.level, device=device, test_data=test_data, config=config
+            model,
+            level=args.level,
+            device=device,
+            test_data=test_data,
+            config=config,
+            trust=getattr(args, "trust", False),
         )
     except ModelRunError as error:
         if not isinstance(model, str):  # a built-in model takes any size: not the user's

@@ -2,8 +2,8 @@
 
 ``search`` runs the passes and keeps what pays; ``inputs`` normalises what the user
 gives; ``reference`` holds the model's own outputs (and under rounding noise) that every
-candidate is verified against; ``result`` assembles the spec and the report's parts;
-``progress`` shows the step in progress.
+candidate is verified against; ``result`` assembles the spec and the report's parts
+(``bladesmith.progress`` shows the step in progress).
 """
 
 from bladesmith.engine.inputs import load_model_file

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import zipfile
 
 import torch
 from torch import nn
@@ -18,10 +19,10 @@ from bladesmith.runtimes.torchscript import in_eval_mode, quiet_torchscript
 from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX
 
 
-def working_copy(model, device: torch.device) -> tuple[nn.Module, dict]:
+def working_copy(model, device: torch.device, trust: bool = False) -> tuple[nn.Module, dict]:
     """A private copy of ``model`` in eval mode on ``device``, and what it is."""
     if isinstance(model, (str, os.PathLike)):
-        module, kind = load_model_file(model), None
+        module, kind = load_model_file(model, trust=trust), None
     elif isinstance(model, torch.export.ExportedProgram):
         module, kind = copy.deepcopy(model.module()), "torch.export program"
     elif isinstance(model, nn.Module):
@@ -62,9 +63,11 @@ def model_dtype(module: nn.Module) -> torch.dtype:
     return max(counts, key=counts.get) if counts else torch.float32
 
 
-def load_model_file(path) -> nn.Module:
+def load_model_file(path, trust: bool = False) -> nn.Module:
     """The module in a TorchScript (.pt) or torch.export (.pt2) file, on the CPU. Any
-    file that is not one raises a BladesmithError saying what the file is instead."""
+    file that is not one raises a BladesmithError saying what the file is instead. A .pt2
+    holding pickles of more than tensors (which torch's reader runs) or compiled code is
+    refused in one line unless ``trust``."""
     from bladesmith.errors import BladesmithError, MissingFileError
 
     path = os.fspath(path)
@@ -82,6 +85,8 @@ def load_model_file(path) -> nn.Module:
 
         ops.load_library()
     if path.endswith(AOTI_SUFFIX):
+        if not trust:
+            _refuse_untrusted(path)
         try:
             with quiet_log("torch.export"):
                 return torch.export.load(path).module()
@@ -112,6 +117,34 @@ def load_model_file(path) -> nn.Module:
             "path), or a .pt2 with torch.export.save(torch.export.export(model, example), "
             "path), or pass the nn.Module from Python"
         ) from error
+
+
+def _refuse_untrusted(path: str) -> None:
+    """One line for a .pt2 that torch.export.load would run code from: a pickle of more
+    than tensors, or an AOTInductor package (compiled code, which it loads)."""
+    from bladesmith.errors import BladesmithError
+    from bladesmith.runtimes import pt2_archive
+
+    if not zipfile.is_zipfile(path):
+        return  # torch's error, below, says what it is
+    names = pt2_archive.members(path)
+    compiled = pt2_archive.aoti_models(names)
+    if not pt2_archive.exported_programs(names):
+        hint = "; an AOTInductor package is already compiled: load it with bladesmith.load"
+        raise BladesmithError(
+            f"model {path!r}: not a torch.export program: {contents(path)}"
+            + (f" (AOTInductor models: {', '.join(compiled)}){hint}" if compiled else "")
+        )
+    unsafe = (
+        f"it holds compiled AOTInductor code ({', '.join(compiled)}) besides the program"
+        if compiled
+        else pt2_archive.unsafe_pickle(path)
+    )
+    if unsafe is not None:
+        raise BladesmithError(
+            f"model {path!r}: {unsafe}, which torch.export.load would run: refused; if you "
+            "trust who made this file, pass --trust (Python: trust=True)"
+        )
 
 
 def device_argument(device, device_type: str | None):

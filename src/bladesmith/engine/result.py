@@ -9,15 +9,15 @@ from collections.abc import Callable
 import torch
 
 from bladesmith import bench
-from bladesmith.artifact import try_formats
 from bladesmith.bench import Speedup
+from bladesmith.engine.saved_formats import try_formats
 from bladesmith.onnx import user_ops
 from bladesmith.onnx.exporter import held_constants
 from bladesmith.ops import libraries
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.precision import BFLOAT16_PASSES, NO_ONNX_BF16
 from bladesmith.passes.registry import Context
-from bladesmith.runtimes.inputs import tensors_in
+from bladesmith.runtimes.built_for import tensors_in
 from bladesmith.runtimes.torchscript import is_torchscript
 from bladesmith.spec import (
     AOTI_SUFFIX,

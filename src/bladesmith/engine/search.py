@@ -40,7 +40,6 @@ from bladesmith.engine.inputs import (
     to_device,
     working_copy,
 )
-from bladesmith.engine.progress import Progress
 from bladesmith.engine.reference import Reference
 from bladesmith.engine.result import (
     compatibility,
@@ -57,6 +56,7 @@ from bladesmith.ops import libraries
 from bladesmith.passes import registry
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, PassSkipped
+from bladesmith.progress import Progress
 from bladesmith.report import PassRecord, Report, hardware_context, software_context
 from bladesmith.runtimes.torchscript import is_torchscript
 from bladesmith.spec import SAVE_FORMATS, Spec
@@ -77,6 +77,7 @@ def optimize(
     *,
     passes: Sequence[Pass] | None = None,
     device_type: str | None = None,
+    trust: bool = False,
 ) -> tuple[OptimizedModule, Spec, Report]:
     """Optimize ``model`` for ``device``; return (optimized module, spec, report).
 
@@ -92,6 +93,8 @@ def optimize(
     ``config``: a ``Config``; default: the innermost ``with Config(...)``, else defaults.
     ``passes``: the passes to try, in order (default: every registered pass).
     ``device_type``: PAI-Blade's name for ``device`` ("gpu", "cpu"): give either.
+    ``trust``: read a ``.pt2`` file that holds pickled objects or compiled code, which
+    run as it loads (refused otherwise: docs/security.md).
 
     The optimized module takes the same arguments and returns the same structure as
     the model (``Config(output="padded")`` returns a detector's padded tensors).
@@ -104,7 +107,7 @@ def optimize(
     progress = Progress(config.progress)
 
     entries = argument_tuples(test_data)
-    working, model_info = working_copy(model, device)
+    working, model_info = working_copy(model, device, trust)
     test_args = [pytree.tree_map(lambda x: to_device(x, device), args) for args in entries]
     context = Context(
         device=device,

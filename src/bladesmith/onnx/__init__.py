@@ -16,9 +16,9 @@ import importlib
 # public name -> (module, attribute)
 _EXPORTS = {
     "export": ("bladesmith.onnx.exporter", "export"),
-    "session": ("bladesmith.onnx.runtime", "session"),
-    "Session": ("bladesmith.onnx.runtime", "Session"),
-    "plan_providers": ("bladesmith.onnx.runtime", "plan_providers"),
+    "session": ("bladesmith.onnx.sessions", "session"),
+    "Session": ("bladesmith.onnx.sessions", "Session"),
+    "plan_providers": ("bladesmith.onnx.sessions", "plan_providers"),
     "check": ("bladesmith.onnx.checker", "check"),
     "fix": ("bladesmith.onnx.fixer", "fix"),
     "register_op": ("bladesmith.onnx.user_ops", "register_op"),

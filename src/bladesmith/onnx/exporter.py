@@ -23,7 +23,7 @@ import torch
 
 from bladesmith._files import move_into_place
 from bladesmith.errors import BladesmithError
-from bladesmith.onnx import runtime, symbolic, user_ops
+from bladesmith.onnx import sessions, symbolic, user_ops
 from bladesmith.onnx.custom_nodes import METADATA_KEY
 from bladesmith.ops import libraries
 
@@ -193,7 +193,7 @@ def baked_arguments(model, args: tuple) -> list[dict]:
                 "parameter": parameter,
                 "position": position,
                 "path": path,
-                "repr": runtime.describe_argument(leaf),
+                "repr": sessions.describe_argument(leaf),
             }
             if leaf is None or isinstance(leaf, (bool, int, float, str)):
                 entry["value"] = leaf
@@ -296,9 +296,9 @@ def _finish(raw: Path, out: Path, external_data: bool | None, baked: list[dict])
     if custom_nodes is not None:
         entry = model.metadata_props.add()
         entry.key, entry.value = METADATA_KEY, custom_nodes
-    if baked:  # the session refuses other values for them (runtime.Session)
+    if baked:  # the session refuses other values for them (sessions.Session)
         entry = model.metadata_props.add()
-        entry.key, entry.value = runtime.baked_arguments_metadata(baked)
+        entry.key, entry.value = sessions.baked_arguments_metadata(baked)
     if external_data is None:
         weight_bytes = sum(t.ByteSize() for t in model.graph.initializer)
         external_data = weight_bytes > _EXTERNAL_DATA_THRESHOLD

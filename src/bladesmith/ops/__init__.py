@@ -30,6 +30,7 @@ __all__ = [
     "batched_nms",
     "exporting",
     "library_path",
+    "load_builtin",
     "load_library",
     "multilevel_roi_align",
     "retinanet_decode",
@@ -236,3 +237,21 @@ def retinanet_postprocess(
         list(weights),
         bbox_clip,
     )
+
+
+def load_builtin() -> Exception | None:
+    """Load bladesmith's operator library, and torchvision's operators (RoIAlign, which
+    R-CNN artifacts call) where torchvision is installed; the error if bladesmith's
+    cannot be loaded (an artifact that needs no custom operator still loads)."""
+    import contextlib
+
+    from bladesmith.errors import OpsBuildError
+
+    with contextlib.suppress(ImportError):
+        import torchvision  # noqa: F401  (importing it registers its operators)
+
+    try:
+        load_library()
+    except (ImportError, OpsBuildError) as error:
+        return error
+    return None

@@ -5,13 +5,15 @@
 bladesmith finds the operators a model calls outside torch's and its own namespaces,
 attributes each namespace to a loaded library (the library whose binary holds the
 namespace and the operator names: the registration strings ``TORCH_LIBRARY`` compiles
-in), copies those libraries beside a saved artifact and loads them again with it.
+in), copies those libraries beside a saved artifact and loads them again with it: only
+those its metadata records, by SHA-256, from the folder beside it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import filecmp
+import hashlib
 import json
 import os
 import re
@@ -25,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from bladesmith._files import write_atomically
 from bladesmith.errors import BladesmithError
 from bladesmith.ops.namespaces import is_builtin, operators_in
 
@@ -381,47 +382,118 @@ def folder_beside(artifact: str | os.PathLike) -> Path:
 
 
 def stored(artifact: str | os.PathLike) -> Path | None:
-    """The folder of libraries ``store`` wrote beside ``artifact``, or None."""
+    """The folder of libraries ``store_needed`` wrote beside ``artifact``, or None."""
     folder = folder_beside(artifact)
     return folder if (folder / _INDEX).is_file() else None
 
 
-def store(libraries: list[Library], artifact: Path) -> list[dict]:
-    """Copy ``libraries`` into the folder beside ``artifact``, with an index of what each
-    one registers (``restore`` reads it before the artifact); their metadata entries."""
-    folder = folder_beside(artifact)
-    if folder.exists():
-        shutil.rmtree(folder)
-    if not libraries:
-        return []
+def store_needed(
+    module, example_args: tuple, folder: Path, *, fake_kernels_for: str | None = None
+) -> list[dict]:
+    """All that saving asks of the user's operator libraries: the operators ``module``
+    calls on ``example_args``, refused in one line where ``fake_kernels_for`` (a format's
+    suffix, which traces them on fake tensors) lacks a fake kernel for one; the
+    libraries they come from copied into ``folder`` (a new, empty one) with an index;
+    their entries for the artifact's metadata: file, operators, SHA-256 (``restore``
+    loads nothing else)."""
+    from bladesmith.spec import TORCHSCRIPT_SUFFIX
+
+    operators = operators_called(module, example_args)
+    lacking = without_fake_kernel(operators) if fake_kernels_for else []
+    if lacking:
+        raise BladesmithError(
+            f"save: {fake_kernels_for} needs torch.export, which cannot trace "
+            f"{', '.join(lacking)} (no fake kernel: register one with "
+            f"torch.library.register_fake); save as {TORCHSCRIPT_SUFFIX} instead"
+        )
+    libraries = libraries_of(operators)
     names = [library.path.name for library in libraries]
     if len(set(names)) < len(names):
         raise BladesmithError(f"save: two operator libraries share a file name ({names})")
-    folder.mkdir(parents=True)
     entries = []
     for library in libraries:
         shutil.copy2(library.path, folder / library.path.name)
-        entries.append({"file": library.path.name, "operators": list(library.operators)})
-    text = json.dumps(entries, indent=2) + "\n"
-    write_atomically(folder / _INDEX, lambda temporary: temporary.write_text(text))
+        entries.append(
+            {
+                "file": library.path.name,
+                "operators": list(library.operators),
+                "sha256": _sha256(folder / library.path.name),
+            }
+        )
+    if entries:
+        (folder / _INDEX).write_text(json.dumps(entries, indent=2) + "\n")
     return entries
 
 
-def restore(artifact: Path) -> None:
-    """Load the libraries saved beside ``artifact``, unless their operators are loaded
-    already (the user loaded them: a second copy would register them twice)."""
-    folder = stored(artifact)
-    if folder is None:
-        return
-    index = folder / _INDEX
-    for entry in json.loads(index.read_text()):
+def restore(artifact: str | os.PathLike, entries: list[dict]) -> None:
+    """Load the libraries beside ``artifact`` that ``entries`` (the artifact's own
+    metadata) record, unless their operators are loaded already (the user loaded them:
+    a second copy would register them twice). The folder must hold those and the index
+    alone, each a file of the folder (no link out of it) with the recorded SHA-256, the
+    index agreeing: anything else is refused in one line naming the file."""
+    artifact = Path(artifact).resolve()  # a link to an artifact: its libraries are there
+    folder = folder_beside(artifact)
+    source = f"{artifact}: its library"
+    for entry in entries:
+        name = entry.get("file", "")
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise BladesmithError(
+                f"{source} {name!r} is not a file name in {folder.name}/: refused (a "
+                "library is loaded from the folder beside the artifact only)"
+            )
+    _check_folder(artifact, folder, entries)
+    for entry in entries:
         missing = [op for op in entry["operators"] if not _registered(op)]
         if not missing:
             continue
-        path = index.parent / entry["file"]
+        path = folder / entry["file"]
         if not path.is_file():
             raise BladesmithError(missing_message(artifact, missing[0], entry["file"]))
-        load(path, f"{artifact}: its library")
+        if path.is_symlink() or path.resolve().parent != folder.resolve():
+            raise BladesmithError(f"{source} {path} is a link out of {folder.name}/: refused")
+        if entry.get("sha256") is None:
+            raise BladesmithError(
+                f"{source} {path} has no SHA-256 in the artifact's metadata (saved by an "
+                f"older bladesmith): save it again, or load the library with {LIBRARY_FLAG}"
+            )
+        if _sha256(path) != entry["sha256"]:
+            raise BladesmithError(
+                f"{source} {path} is not the file saved with it (its SHA-256 differs): "
+                "refused; save the artifact again"
+            )
+        load(path, source)
+
+
+def _check_folder(artifact: Path, folder: Path, entries: list[dict]) -> None:
+    """One line for a folder of libraries that is not what ``entries`` record."""
+    if not (folder.exists() or folder.is_symlink()):
+        return
+    if not folder.resolve().is_relative_to(artifact.parent):
+        raise BladesmithError(f"{folder}: a link out of {artifact.parent}: refused")
+    recorded = {entry["file"] for entry in entries}
+    for path in sorted(folder.iterdir()):
+        if path.name != _INDEX and path.name not in recorded:
+            raise BladesmithError(
+                f"{path}: not a library {artifact.name} records: refused (remove it, or "
+                "save the artifact again)"
+            )
+    index = folder / _INDEX
+    try:
+        listed = json.loads(index.read_text()) if index.is_file() else entries
+    except ValueError:
+        listed = None
+    if listed != entries:
+        raise BladesmithError(
+            f"{index}: not the libraries {artifact.name} records: refused (save the artifact again)"
+        )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _registered(name: str) -> bool:

@@ -21,7 +21,7 @@ import torch
 
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
-from bladesmith.runtimes.inputs import tensors_in
+from bladesmith.runtimes.built_for import tensors_in
 from bladesmith.runtimes.onnxruntime import OnnxRunnerPerShape, cpu_runner, export_for_any_batch
 from bladesmith.spec import ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 

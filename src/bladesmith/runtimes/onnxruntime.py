@@ -1,5 +1,7 @@
 """ONNX Runtime: a module exported to ONNX and run in a session on the CPU, the runner
-that the onnxruntime pass builds and that ``.onnx`` artifacts hold.
+that the onnxruntime pass builds and that ``.onnx`` artifacts hold (bladesmith's metadata,
+with the output structure that ONNX's flat outputs are unflattened into, in the model's
+metadata properties).
 
 Exports leave the first dimension of every input free, so that one session serves any
 batch size; a module whose graph fixes its batch anyway gets ``OnnxRunnerPerShape``.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +19,11 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
-from bladesmith.runtimes.inputs import follows_the_batch, tensors_in
+from bladesmith.runtimes.built_for import follows_the_batch, tensors_in
+from bladesmith.spec import ONNX_SUFFIX
+
+SUFFIX = ONNX_SUFFIX
+NEEDS_FAKE_KERNELS = False
 
 
 class OnnxRunner:
@@ -153,3 +160,34 @@ def fixed_shape_runner(module, args: tuple) -> OnnxRunner:
         path = Path(directory) / "model.onnx"
         output_spec, none_outputs = export_onnx(module, args, path, dynamic_batch=False)
         return cpu_runner(path, output_spec, none_outputs)
+
+
+def write(module, calls: list[tuple], path: Path, metadata: dict, *, key: str, **_) -> None:
+    """``module`` exported on the first of ``calls`` (``export_for_any_batch``), with the
+    metadata under ``key``."""
+    import onnx
+
+    output_spec, none_outputs, _ = export_for_any_batch(module, calls[0], path)
+    model = onnx.load(str(path))
+    entry = model.metadata_props.add()
+    entry.key = key
+    entry.value = json.dumps(
+        {
+            **metadata,
+            "output_spec": pytree.treespec_dumps(output_spec),
+            "none_outputs": list(none_outputs),
+        }
+    )
+    onnx.save(model, str(path))
+
+
+def metadata(path: Path, key: str) -> str | None:
+    import onnx
+
+    properties = onnx.load(str(path), load_external_data=False).metadata_props
+    return next((p.value for p in properties if p.key == key), None)
+
+
+def read(path: Path, info: dict) -> OnnxRunner:
+    output_spec = pytree.treespec_loads(info["output_spec"])
+    return cpu_runner(path, output_spec, tuple(info.get("none_outputs", ())))

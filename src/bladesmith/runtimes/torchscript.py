@@ -1,5 +1,5 @@
 """TorchScript: a module traced and frozen, the runner that the torchscript pass builds
-and that ``.pt`` artifacts hold.
+and that ``.pt`` artifacts hold (bladesmith's metadata in the file's extra files).
 
 TorchScript is deprecated from torch 2.10 on (the FutureWarnings are silenced here on
 purpose: it is still the fastest Python-free form on small CPUs).
@@ -8,14 +8,84 @@ purpose: it is still the fastest Python-free form on small CPUs).
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
+import zipfile
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from bladesmith.errors import BladesmithError
+from bladesmith.runtimes.built_for import BuiltFor, Checked, follows_the_batch
+from bladesmith.spec import TORCHSCRIPT_SUFFIX
 from bladesmith.verify.detections import contains_detections
+
+SUFFIX = TORCHSCRIPT_SUFFIX
+NEEDS_FAKE_KERNELS = False
+
+
+def write(module, calls: list[tuple], path: Path, metadata: dict, *, key: str, **_) -> None:
+    """``module`` frozen on the first of ``calls``, with the metadata (as ``key``.json)
+    and what the trace runs (``traced_inputs``)."""
+    frozen = freeze(module, calls[0])
+    metadata["inputs"] = traced_inputs(frozen, module, calls[0])
+    extra = {f"{key}.json": json.dumps(metadata)}
+    with quiet_torchscript():
+        torch.jit.save(frozen, str(path), _extra_files=extra)
+
+
+def metadata(path: Path, key: str) -> str | None:
+    """bladesmith's metadata (``key``.json), read from the archive without loading the
+    module (which fails while the operators it calls are not loaded)."""
+    with zipfile.ZipFile(path) as archive:
+        name = next((n for n in archive.namelist() if n.endswith(f"/extra/{key}.json")), None)
+        return archive.read(name).decode() if name is not None else None
+
+
+def read(path: Path, info: dict) -> torch.jit.ScriptModule:
+    with quiet_torchscript():
+        return torch.jit.load(str(path))
+
+
+def guarded(candidate, spec, example_args: tuple | None):
+    """What an optimized module runs for the engine's ``candidate``, and the ``BuiltFor``
+    it checks each call against (or None): a family's pipeline or a trace that keeps its
+    example's batch refuses inputs it was not built for, as its saved file does."""
+    # The model as given (nothing applied) runs as its own forward, through nothing.
+    untouched = not candidate.applied and candidate.runner is None
+    run = candidate.module if untouched else candidate
+    built_for, source = None, "images"
+    if candidate.family is not None and spec is not None:
+        # Its trace or graph has no size check (Python's is not traced): images of
+        # another size or dtype would be resized and normalised as if of its own.
+        why = "its fixed-shape pipeline was built for images of this size"
+        built_for = BuiltFor.of(spec, free_batch=True, why=why)
+    elif (
+        spec is not None
+        and isinstance(candidate.runner, nn.Module)
+        and is_torchscript(candidate.runner)
+    ):
+        # A trace that keeps its example's batch answers others wrongly: refused as
+        # its .pt is. One that follows the batch is left free: it was verified on
+        # every size of the test data, which its .pt (checked at one) is not.
+        inputs = traced_inputs(candidate.runner, candidate.module, example_args)
+        if not inputs["free_batch"]:
+            built_for, source = BuiltFor.of(spec, **inputs), "optimized module"
+    return (Checked({built_for: run}, source) if built_for is not None else run), built_for
+
+
+def traced_inputs(trace, module, args: tuple) -> dict:
+    """What a trace of ``module`` on ``args`` runs, as ``BuiltFor.of``'s keywords: whether
+    its batch is free (``follows_the_batch``), and why others are refused."""
+    free = follows_the_batch(trace, module, args)
+    why = "traced at these sizes" + (
+        ", and checked at other batches" if free else "; at another batch it answers otherwise"
+    )
+    # One that keeps its batch holds only that: optimize verified it, and save checks
+    # it, at every size of the test data, which the spec (the first) does not list.
+    return {"free_batch": free, "why": why, "batch_only": not free}
 
 
 @contextmanager

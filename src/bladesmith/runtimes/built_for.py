@@ -22,7 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bladesmith.errors import BladesmithError
-from bladesmith.onnx.runtime import given_argument, holds_argument
+from bladesmith.onnx.sessions import given_argument, holds_argument
 
 
 def tensors_in(tree) -> list[torch.Tensor]:
@@ -98,6 +98,16 @@ class BuiltFor:
         ]
         held = [f"{entry['name']}={entry['repr']}" for entry in self.constant_arguments]
         return ", ".join([describe_tensors(list(zip(shapes, self.dtypes))), *held])
+
+
+def one_per_signature(calls: list[tuple]) -> list[tuple]:
+    """The first of ``calls`` of each input signature (shapes and dtypes, and the
+    non-tensor arguments, which a .pt2's model holds as constants), in order."""
+    firsts = {}
+    for args in calls:
+        constants = [repr(leaf) for leaf in pytree.tree_leaves(args) if not torch.is_tensor(leaf)]
+        firsts.setdefault((signature(args), *constants), args)
+    return list(firsts.values())
 
 
 def describe_tensors(tensors) -> str:

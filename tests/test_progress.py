@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[1] / "README.md"
 # What keeps these runs short: small photographs, few timed runs, only the passes that
 # rebuild the detector and change its layout.
 SLOW_PASSES = ("winograd", "norm_folding", "torchscript", "onnxruntime")
@@ -76,7 +76,7 @@ def test_a_result_in_doubt_says_so_on_its_line(capsys):
     import time
 
     from bladesmith import bench
-    from bladesmith.engine.progress import Progress
+    from bladesmith.progress import Progress
 
     progress = Progress(enabled=True)
     progress.lines = True  # as when stderr is piped

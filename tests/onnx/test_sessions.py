@@ -1,4 +1,4 @@
-"""bladesmith.onnx.runtime: provider plans (no hardware needed) and sessions on the CPU."""
+"""bladesmith.onnx.sessions: provider plans (no hardware needed) and sessions on the CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from onnx import TensorProto, helper
 
 from bladesmith.errors import BladesmithError, DeviceUnavailableError
-from bladesmith.onnx.runtime import (
+from bladesmith.onnx.sessions import (
     CPU,
     CUDA,
     DIRECTML,

@@ -1,12 +1,15 @@
-"""Where ``optimize`` is: a spinner on a terminal, plain lines elsewhere."""
+"""Where a long call is (``optimize``, ``save`` compiling a .pt2): a spinner on a
+terminal, plain lines elsewhere. A leaf: the engine and the artifact both show steps."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
+from typing import TYPE_CHECKING
 
-from bladesmith.bench import Speedup
-from bladesmith.report import PassRecord
+if TYPE_CHECKING:
+    from bladesmith.bench import Speedup
+    from bladesmith.report import PassRecord
 
 
 class Progress:

@@ -1,0 +1,39 @@
+"""The result saved in each format, loaded back and judged: which formats ``optimize``
+lists in the spec as saved and verified."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from bladesmith.artifact import OptimizedModule, load, write
+
+
+def try_formats(
+    optimized: OptimizedModule, formats, test_args: list[tuple], judge: Callable
+) -> tuple[tuple[str, ...], dict[str, str]]:
+    """Save ``optimized`` in each of ``formats``, load it back and run it on every test
+    input: (the formats whose outputs ``judge`` passes, in order; {suffix: why} for the
+    others). ``judge(outputs)`` returns a ``verify.Comparison``."""
+    tried, refused = [], {}
+    with tempfile.TemporaryDirectory(prefix="bladesmith-save-") as directory:
+        for suffix in formats:
+            path = Path(directory) / f"model{suffix}"
+            try:
+                write(optimized, path)
+                loaded = load(path)
+                outputs = [loaded(*args) for args in test_args]
+            except Exception as error:
+                text = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+                refused[suffix] = f"saving it and loading it back failed ({text})"
+                continue
+            comparison = judge(outputs)
+            if comparison.passed:
+                tried.append(suffix)
+            else:
+                refused[suffix] = (
+                    f"saved and loaded back, its outputs moved past tolerance "
+                    f"({comparison.summary()})"
+                )
+    return tuple(tried), refused
