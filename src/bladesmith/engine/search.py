@@ -51,6 +51,7 @@ from bladesmith.engine.result import (
     unreachable_formats,
     with_tried_formats,
 )
+from bladesmith.engine.saved_speed import SavedSpeed, saved_speed
 from bladesmith.engine.state import changed, fingerprint
 from bladesmith.errors import BladesmithError, describe
 from bladesmith.families import family_of
@@ -258,6 +259,22 @@ def optimize(
             judge=_saved_judge(reference, held_out, best, config, _waived(best, passes, config)),
             tolerance=reference.tolerance(best.dtype, config),
         )
+    if best is given:
+        saved = SavedSpeed(None, None, "the result is the model as given")
+    else:
+        with progress.step("timing the saved result, reloaded in a new process"):
+            saved = saved_speed(
+                optimized,
+                spec.save_formats,
+                _callable(given),
+                test_args[0],
+                warmup=warmup,
+                iters=iters,
+                rounds=timing["rounds"],
+                batch_size=batch_size,
+                device=device,
+            )
+        doubts += [f"the saved result against the model as given: {d}" for d in saved.doubts]
     progress.done(overall)
     if config.output == "padded" and best.family is None:
         context.notes.append(
@@ -268,11 +285,12 @@ def optimize(
         software_context=software_context(),
         hardware_context=hardware_context(device),
         user_config={"level": level, "device": str(device), **config.to_dict()},
-        diagnosis=diagnosis(model_info, context, spec, overall, doubts),
+        diagnosis=diagnosis(model_info, context, spec, overall, doubts, saved),
         optimizations=records,
         baseline=overall.baseline,
         optimized=overall.candidate,
         speedup=overall,
+        saved=saved,
         accuracy={
             **final_accuracy.to_dict(),
             "held_out": final_held.line if final_held else _unchecked(held_out),
