@@ -293,7 +293,7 @@ def optimize(
         saved=saved,
         accuracy={
             **final_accuracy.to_dict(),
-            "held_out": final_held.line if final_held else _unchecked(held_out),
+            "held_out": final_held.line if final_held else _unchecked(held_out, best is given),
         },
         model_info={**model_info, "input_shapes": [list(s) for s in spec.input_shapes]},
         compatibility_list=[compatibility(device, spec)],
@@ -535,8 +535,10 @@ def _waived(candidate: Candidate, passes: Sequence[Pass], config: Config) -> boo
     )
 
 
-def _unchecked(held_out: HeldOutCheck) -> str:
-    return f"not checked on held-out inputs ({held_out.how or 'the result is the model as given'})"
+def _unchecked(held_out: HeldOutCheck, given: bool) -> str:
+    if given:
+        return "not needed: the result is the model as given"
+    return f"not checked on held-out inputs ({held_out.how})"
 
 
 def _saved_judge(reference: Reference, held_out: HeldOutCheck, best: Candidate, config, waived):
