@@ -129,21 +129,34 @@ def optimized_tiny_detector():
 
 class Memoized(Pass):
     """Runs the candidate once on the example input and returns copies of those outputs
-    from then on: accurate on that input and far faster than anything real, so every
-    pass before it is kept whatever the timing noise of a shared machine."""
+    whenever it gets that input again (any other input is computed): accurate, on the
+    held-out inputs too, and far faster than anything real on the input that is timed,
+    so every pass before it is kept whatever the timing noise of a shared machine."""
 
     name = "memoized"
 
     def apply(self, candidate, context):
+        example = candidate.runner_args(context.example_args)
         with torch.no_grad():
-            outputs = candidate(*candidate.runner_args(context.example_args))
+            outputs = candidate(*example)
 
         def replay(*args, **kwargs):
+            if kwargs or not _same_values(args, example):
+                with torch.no_grad():
+                    return candidate(*args, **kwargs)
             return pytree.tree_map(
                 lambda x: x.clone() if isinstance(x, torch.Tensor) else x, outputs
             )
 
         return candidate.with_runner(replay, self.name, wraps=True)
+
+
+def _same_values(args, example) -> bool:
+    leaves, other = pytree.tree_leaves(args), pytree.tree_leaves(example)
+    return len(leaves) == len(other) and all(
+        x is y or (isinstance(x, torch.Tensor) and x.shape == y.shape and torch.equal(x, y))
+        for x, y in zip(leaves, other)
+    )
 
 
 def conv_net() -> nn.Module:

@@ -3,6 +3,7 @@ block itself, on a small model (ResNet-18 at 64x64), on the GPU when there is on
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from torch import nn
 
 import bladesmith
 from bladesmith.errors import BladesmithError
+from bladesmith.passes import Pass
 from bladesmith.passes.onnxruntime import OnnxRuntime
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "pai-blade.md"
@@ -122,3 +124,64 @@ def test_device_type_and_device_cannot_disagree():
         bladesmith.optimize(
             nn.Linear(2, 2), device="cpu", device_type="gpu", test_data=[torch.ones(1, 2)]
         )
+
+
+class RoughHalf(Pass):
+    """A precision pass whose rounding moves the outputs past the gate (weights off by
+    5%), on any device."""
+
+    name = "rough_half"
+    changes_precision = True
+    devices = ("cpu", "cuda")
+
+    def apply(self, candidate, context):
+        module = copy.deepcopy(candidate.module)
+        with torch.no_grad():
+            module.weight.mul_(1.05)
+        return candidate.with_module(module, self.name, dtype=torch.float16)
+
+
+def test_the_tutorials_config_assignments_disable_the_half_precision_check():
+    # PAI-Blade's tutorial: blade_config.gpu_config.disable_fp16_accuracy_check = True,
+    # then `with blade_config:` (before, the assignment raised: Config was frozen).
+    torch.manual_seed(0)
+    model, data = nn.Linear(8, 4).eval(), [torch.randn(2, 8)]
+    device_type = "gpu" if torch.cuda.is_available() else "cpu"
+    quick = dict(warmup=0, iters=2, min_speedup=0.01, progress=False)
+
+    checked = bladesmith.Config(**quick)
+    with checked:
+        _, _, report = bladesmith.optimize(
+            model, "o1", device_type=device_type, test_data=data, passes=[RoughHalf()]
+        )
+    (record,) = report.optimizations
+    assert record.status == "rejected" and "past tolerance" in record.reason
+
+    blade_config = bladesmith.Config(**quick)
+    blade_config.gpu_config.disable_fp16_accuracy_check = True
+    assert (
+        blade_config.disable_fp16_accuracy_check
+        and blade_config.gpu_config.disable_fp16_accuracy_check
+    )
+    with blade_config:
+        _, spec, report = bladesmith.optimize(
+            model, "o1", device_type=device_type, test_data=data, passes=[RoughHalf()]
+        )
+    (record,) = report.optimizations
+    assert record.status == "kept" and "accuracy check disabled" in record.reason
+    assert spec.passes == ("rough_half",)
+    assert report.user_config["disable_fp16_accuracy_check"] is True
+
+
+def test_config_assignments_are_checked_as_the_constructor_checks_them():
+    config = bladesmith.Config()
+    config.min_speedup = 1.1
+    config.exclude = "onnxruntime"
+    assert config.min_speedup == 1.1 and config.exclude == ("onnxruntime",)
+    with pytest.raises(ValueError, match="min_speedup must be > 0"):
+        config.min_speedup = 0
+    assert config.min_speedup == 1.1
+    with pytest.raises(AttributeError, match="no setting 'min_speed'"):
+        config.min_speed = 2
+    with pytest.raises(AttributeError, match=r"gpu_config has no setting 'enable_fp16'"):
+        config.gpu_config.enable_fp16 = True

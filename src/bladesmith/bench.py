@@ -272,6 +272,43 @@ def compare(
     return speedup
 
 
+def time_rounds(
+    fn: Callable, args: Sequence = (), warmup: int = 0, iters: int = 1, rounds: int = 1, device=None
+) -> list[tuple[list[float], list[float]]]:
+    """``fn(*args)`` timed alone: ``warmup`` untimed calls, then ``iters`` timed ones in
+    ``min(rounds, iters)`` rounds; each round's (wall ms, CPU ms) samples. For runners
+    that cannot take turns (one of them reloaded in another process): ``from_phases``
+    sets two such timings against each other."""
+    _check_counts(warmup=(warmup, 0), iters=(iters, 1), rounds=(rounds, 1))
+    clock = _Clock(_device(device, args))
+    rounds = min(rounds, iters)
+    sizes = [iters // rounds + (1 if index < iters % rounds else 0) for index in range(rounds)]
+    with _collector_held(), clock.selected():
+        for _ in range(warmup):
+            fn(*args)
+        clock.synchronize()
+        return [clock.time(lambda: fn(*args), size) for size in sizes]
+
+
+def from_phases(
+    baseline: list[tuple[list[float], list[float]]],
+    candidate: list[tuple[list[float], list[float]]],
+    *,
+    warmup: int,
+    batch_size: int,
+    device,
+) -> Speedup:
+    """The Speedup of two ``time_rounds`` taken one after the other (round i against
+    round i, the same statistic as ``compare``): a change of load between the phases
+    is not cancelled as alternating rounds cancel it, and shows as rounds that disagree."""
+    import torch
+
+    clock = _Clock(torch.device(device))
+    wall = [[samples for samples, _ in baseline], [samples for samples, _ in candidate]]
+    cpu = [[times for _, times in baseline], [times for _, times in candidate]]
+    return _speedup(clock, wall, cpu, warmup, batch_size, _load_per_core())
+
+
 def _speedup(clock, wall, cpu, warmup: int, batch_size: int, load_before) -> Speedup:
     """The Speedup of the rounds timed so far, with its doubts."""
     loads = [value for value in (load_before, _load_per_core()) if value is not None]

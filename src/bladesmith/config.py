@@ -4,7 +4,13 @@
         optimized, spec, report = bladesmith.optimize(model, test_data=data)
 
 ``optimize(config=...)`` wins over the innermost ``with Config(...)``, which wins over the
-defaults. Levels: o0 changes no numerical precision; o1 adds fp16/bf16, kept only when
+defaults. PAI-Blade's assignments work too, each value checked as it is set:
+
+    blade_config = bladesmith.Config()
+    blade_config.gpu_config.disable_fp16_accuracy_check = True
+    with blade_config:
+        ...
+ Levels: o0 changes no numerical precision; o1 adds fp16/bf16, kept only when
 the outputs stay within tolerance; o2 adds what takes longer to build (Inductor's
 max-autotune, Inductor on the CPU).
 """
@@ -25,7 +31,7 @@ _current: contextvars.ContextVar[Config | None] = contextvars.ContextVar(
 )
 
 
-@dataclass(frozen=True)
+@dataclass
 class Config:
     """What ``optimize`` tries and how it decides.
 
@@ -33,7 +39,9 @@ class Config:
     ``bladesmith.verify.default_tolerance`` for tensor outputs; detections match when
     F1 >= ``min_f1`` at IoU >= ``iou_threshold``, same class.
     ``disable_fp16_accuracy_check`` keeps fp16/bf16 even when it moves the outputs past
-    tolerance (the report still shows by how much).
+    tolerance (the report still shows by how much; a result whose outputs ignore its
+    inputs is refused all the same); PAI-Blade sets it as
+    ``config.gpu_config.disable_fp16_accuracy_check``.
     Timing: ``warmup``/``iters`` default per device (None: CUDA 20/100, CPU 3/10), for
     each side of a comparison: a candidate and the best so far run in ``rounds``
     alternating rounds (default 10, at most ``iters``); a pass is kept only when the
@@ -75,6 +83,29 @@ class Config:
             if isinstance(value, str):
                 value = (value,)
             object.__setattr__(self, name, tuple(value))
+        self._check()
+        object.__setattr__(self, "_ready", True)
+
+    def __setattr__(self, name: str, value) -> None:
+        """A setting assigned (PAI-Blade's style) is checked as ``Config(...)`` checks it;
+        a name that is no setting is refused, not silently kept."""
+        if not self.__dict__.get("_ready"):  # the dataclass's own __init__
+            object.__setattr__(self, name, value)
+            return
+        if name not in _FIELDS:
+            raise AttributeError(
+                f"Config has no setting {name!r}; settings are {', '.join(_FIELDS)}"
+            )
+        checked = dataclasses.replace(self, **{name: value})  # raises on a bad value
+        object.__setattr__(self, name, getattr(checked, name))
+
+    @property
+    def gpu_config(self) -> _Section:
+        """PAI-Blade's ``config.gpu_config``: its ``disable_fp16_accuracy_check`` is this
+        Config's (the fp16/bf16 check on any device)."""
+        return _Section(self, "gpu_config", ("disable_fp16_accuracy_check",))
+
+    def _check(self) -> None:
         overlap = set(self.include) & set(self.exclude)
         if overlap:
             raise ValueError(f"Config: passes both included and excluded: {sorted(overlap)}")
@@ -137,6 +168,34 @@ class Config:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Config))
+
+
+class _Section:
+    """A group of a Config's settings under PAI-Blade's name for it (``gpu_config``):
+    reading and assigning them reads and assigns the Config's."""
+
+    def __init__(self, config: Config, title: str, names: tuple[str, ...]):
+        object.__setattr__(self, "_where", (config, title, names))
+
+    def __getattr__(self, name: str):
+        config, _, _ = self._where
+        return getattr(config, self._known(name))
+
+    def __setattr__(self, name: str, value) -> None:
+        config, _, _ = self._where
+        setattr(config, self._known(name), value)
+
+    def _known(self, name: str) -> str:
+        _, title, names = self._where
+        if name not in names:
+            raise AttributeError(
+                f"Config.{title} has no setting {name!r}; bladesmith takes {', '.join(names)} "
+                "there (the others of Config are set on it directly)"
+            )
+        return name
 
 
 def check_level(level: str) -> str:

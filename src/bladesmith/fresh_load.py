@@ -39,13 +39,20 @@ def run_saved(path: Path, args: tuple) -> tuple[object, str | None]:
 def run_saved_each(path: Path, calls: list[tuple]) -> tuple[list | None, str | None]:
     """``run_saved`` of each of ``calls`` (argument tuples), in one new process: (their
     outputs, None) or (None, why it failed)."""
+    return in_new_process(_CHILD, path, [tuple(args) for args in calls])
+
+
+def in_new_process(code: str, path: Path, payload) -> tuple[object, str | None]:
+    """(what ``code`` saved, None) or (None, why it failed), ``code`` run in a new Python
+    process as ``python -c code PATH PAYLOAD RESULT``: PAYLOAD a file holding
+    ``payload`` (torch.save), RESULT the file its result is to be saved in (weights only)."""
     with tempfile.TemporaryDirectory(prefix="bladesmith-reload-") as folder:
         inputs, outputs = Path(folder) / "args.pt", Path(folder) / "outputs.pt"
-        torch.save([tuple(args) for args in calls], inputs)
+        torch.save(payload, inputs)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
             result = subprocess.run(
-                [sys.executable, "-c", _CHILD, str(path), str(inputs), str(outputs)],
+                [sys.executable, "-c", code, str(path), str(inputs), str(outputs)],
                 capture_output=True,
                 text=True,
                 timeout=TIMEOUT_S,

@@ -91,6 +91,9 @@ class Report:
     compatibility_list: list[dict] = field(default_factory=list)
     model_sdk: dict = field(default_factory=dict)
     tolerance: dict = field(default_factory=dict)  # rtol, atol and why, of the outputs
+    # The result as save writes it, reloaded in a new process, against the model as
+    # given timed alone (engine.saved_speed.SavedSpeed): its format, speedup, interval.
+    saved: dict | None = None
 
     def __post_init__(self):
         self.baseline = _as_dict(self.baseline)
@@ -98,6 +101,7 @@ class Report:
         self.accuracy = _as_dict(self.accuracy)
         self.throughput = [_as_dict(timing) for timing in self.throughput]
         self.speedup = _as_dict(self.speedup)
+        self.saved = _as_dict(self.saved)
         if self.speedup:
             self.speedup = {
                 key: value
@@ -133,6 +137,7 @@ class Report:
             "baseline_timing": self.baseline,
             "optimized_timing": self.optimized,
             "accuracy": self.accuracy,
+            "saved": self.saved,
         }
 
     def to_dict(self) -> dict:
@@ -166,6 +171,7 @@ class Report:
             optimized=overall.get("optimized_timing"),
             accuracy=overall.get("accuracy"),
             speedup=overall.get("measurement"),
+            saved=overall.get("saved"),
             throughput=list(data.get("throughput") or []),
             model_info=dict(data.get("model_info") or {}),
             compatibility_list=list(data.get("compatibility_list") or []),
@@ -222,6 +228,14 @@ class Report:
             f"{_latency(self.optimized)}, speedup "
             f"[bold]{_times(self.overall['speedup'], self.overall['interval'])}[/]"
         )
+        saved = self.saved or {}
+        if saved.get("measured"):
+            console.print(
+                f"Saved as {saved['format']}, reloaded in a new process: speedup "
+                f"[bold]{_times(saved['ratio'], [saved['low'], saved['high']])}[/]"
+            )
+        elif saved.get("why"):
+            console.print(f"Saved: not timed ({escape(saved['why'])})")
         if self.baseline:
             rounds = len((self.speedup or {}).get("round_ratios") or ()) or 1
             console.print(

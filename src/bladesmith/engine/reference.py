@@ -76,12 +76,22 @@ class Reference:
 
     def __init__(self, outputs: list, given: Candidate, context: Context, family=None):
         self.outputs, self.model, self.context, self.family = outputs, given.module, context, family
+        self.inputs = context.test_args  # what ``outputs`` answer
         self.dtype = given.dtype  # what the model as given computes in
         self.flips = family is not None or contains_detections(outputs)
         self._noisy: list | None = None
         self._floor: tuple | None | bool = False  # False: not yet measured
         self._measured: dict[torch.dtype, NoiseTolerances | None] = {}
         self.measured = None if context.config.atol is not None else self._measure(self.dtype)
+
+    def on(self, inputs: list[tuple], outputs: list) -> Reference:
+        """The model's ``outputs`` on other ``inputs`` (held-out ones), judged at the
+        tolerances measured on the test data."""
+        other = copy.copy(self)
+        other.inputs, other.outputs = inputs, outputs
+        other.flips = self.family is not None or contains_detections(outputs)
+        other._noisy, other._floor = None, False
+        return other  # shares _measured: the tolerances are the test data's
 
     def _measure(self, dtype: torch.dtype) -> NoiseTolerances | None:
         """The tolerances of outputs computed in ``dtype`` (the model's own, or a 16-bit
@@ -106,7 +116,7 @@ class Reference:
                     f"running the model as given under {dtype_name(dtype)} rounding noise"
                 ):
                     runs = reference_under_noise(
-                        self.model, self.context.test_args, runs=NOISE_RUNS, relative=unit
+                        self.model, self.inputs, runs=NOISE_RUNS, relative=unit
                     )
             except Exception as error:
                 self.context.notes.append(f"tolerance: not measured ({describe(error)})")
@@ -154,7 +164,7 @@ class Reference:
         if self._noisy is None:
             try:
                 with self.context.step("running the model as given under rounding noise"):
-                    self._noisy = reference_under_noise(self.model, self.context.test_args)
+                    self._noisy = reference_under_noise(self.model, self.inputs)
                 self.context.notes.append(
                     f"detections: the model as given ran {len(self._noisy)} more times with "
                     "its weights moved by rounding noise; what that alone flips is not held "
@@ -190,7 +200,7 @@ class Reference:
                 min_f1=min_f1,
                 score_atol=scores,
                 field_tolerances=fields,
-                inputs=self.context.test_args,
+                inputs=self.inputs,
                 allow_degenerate=config.allow_degenerate,
                 computed_in=dtype,
                 source=tolerance["why"],

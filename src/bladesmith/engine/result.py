@@ -183,8 +183,9 @@ def bfloat16_onnx_reason(passes) -> str:
 
 
 def diagnosis(
-    info: dict, context: Context, spec: Spec, overall: Speedup, doubts: list[str]
+    info: dict, context: Context, spec: Spec, overall: Speedup, doubts: list[str], saved
 ) -> dict:
+    """The report's diagnosis; ``saved``: the saved result's speed (``SavedSpeed``)."""
     kept = ", ".join(spec.passes) or "no pass (the result is the model as given)"
     lines = [
         f"{info['name']} ({info['format']}, {info['parameters'] / 1e6:.1f}M parameters) on "
@@ -193,6 +194,7 @@ def diagnosis(
         f"Tolerance: {spec.tolerance['why']}." if spec.tolerance else "",
         f"Kept {kept}: {overall.baseline.p50_ms:.2f} ms -> {overall.candidate.p50_ms:.2f} ms "
         f"(p50), {overall.describe()}; runs as {spec.backend} in {spec.dtype}.",
+        f"The artifact: {saved.describe()} (in-process {overall.describe()}).",
         f"Timing: {bench.STATISTIC}.",
     ]
     if doubts:
@@ -202,6 +204,7 @@ def diagnosis(
         "notes": list(context.notes),
         "speedup": overall.ratio,
         "interval": [overall.low, overall.high],
+        "saved": saved.to_dict(),
         "statistic": bench.STATISTIC,
         "doubts": doubts,
     }

@@ -32,6 +32,7 @@ from bladesmith.artifact import OptimizedModule
 from bladesmith.bench import Speedup
 from bladesmith.config import Config, check_level
 from bladesmith.devices import resolve_device, with_index
+from bladesmith.engine.heldout import HeldOutCheck
 from bladesmith.engine.inputs import (
     argument_tuples,
     device_argument,
@@ -49,6 +50,7 @@ from bladesmith.engine.result import (
     unreachable_formats,
     with_tried_formats,
 )
+from bladesmith.engine.saved_speed import SavedSpeed, saved_speed
 from bladesmith.engine.state import changed, fingerprint
 from bladesmith.errors import BladesmithError, describe
 from bladesmith.families import family_of
@@ -154,6 +156,7 @@ def optimize(
                 _reference_outputs(best, context), given, context, family_of(working)
             )
     context.user_operators = frozenset(filter(libraries.is_user_operator, dispatched))
+    held_out = HeldOutCheck(reference, given, context, _outputs_on)
     _check_save_as(working, context)
     nothing = degenerate_reasons(reference.outputs, test_args)
     if nothing:
@@ -175,7 +178,9 @@ def optimize(
         before = best_run
         if each.name in best_run.finished_by:  # the best was timed in it: compare without
             before = _Finished(best, ())
-        record, candidate, run = _try(each, best, before, context, reference, finish, time_against)
+        record, candidate, run = _try(
+            each, best, before, context, reference, held_out, finish, time_against
+        )
         records.append(record)
         progress.log(record)
         if record.status == "kept":
@@ -189,6 +194,18 @@ def optimize(
         elif before is not best_run:  # it will not wrap the best: that runs without it
             best_run = before
     best = _fastest(checkpoints, records)
+    final_held = None
+    if best is not given:
+        final_held = held_out.check(
+            best,
+            _outputs(best, context),
+            config,
+            who="the result",
+            waived=_waived(best, passes, config),
+        )
+        if final_held is not None and not final_held.passed:
+            _drop_kept(records, f"dropped at the end: {final_held.line}")
+            best = given
     if best is not given:
         with progress.step("timing the result against the model as given"):
             overall = bench.compare(
@@ -240,11 +257,27 @@ def optimize(
         spec = optimized.spec = with_tried_formats(
             spec,
             optimized,
-            context.test_args,
+            context.test_args + held_out.args,
             refused={**_refused_formats(passes, best), **constant_argument_refusals(best, context)},
-            judge=lambda outputs: reference.compare(outputs, best.dtype, config),
+            judge=_saved_judge(reference, held_out, best, config, _waived(best, passes, config)),
             tolerance=reference.tolerance(best.dtype, config),
         )
+    if best is given:
+        saved = SavedSpeed(None, None, "the result is the model as given")
+    else:
+        with progress.step("timing the saved result, reloaded in a new process"):
+            saved = saved_speed(
+                optimized,
+                spec.save_formats,
+                _callable(given),
+                test_args[0],
+                warmup=warmup,
+                iters=iters,
+                rounds=timing["rounds"],
+                batch_size=batch_size,
+                device=device,
+            )
+        doubts += [f"the saved result against the model as given: {d}" for d in saved.doubts]
     progress.done(overall)
     if config.output == "padded" and best.family is None:
         context.notes.append(
@@ -255,12 +288,16 @@ def optimize(
         software_context=software_context(),
         hardware_context=hardware_context(device),
         user_config={"level": level, "device": str(device), **config.to_dict()},
-        diagnosis=diagnosis(model_info, context, spec, overall, doubts),
+        diagnosis=diagnosis(model_info, context, spec, overall, doubts, saved),
         optimizations=records,
         baseline=overall.baseline,
         optimized=overall.candidate,
         speedup=overall,
-        accuracy=final_accuracy,
+        saved=saved,
+        accuracy={
+            **final_accuracy.to_dict(),
+            "held_out": final_held.line if final_held else _unchecked(held_out, best is given),
+        },
         model_info={**model_info, "input_shapes": [list(s) for s in spec.input_shapes]},
         compatibility_list=[compatibility(device, spec)],
         tolerance=spec.tolerance,
@@ -305,6 +342,7 @@ def _try(
     before: _Finished,
     context: Context,
     reference: Reference,
+    held_out: HeldOutCheck,
     finish: Callable[[Candidate], _Finished],
     time_against: Callable[[_Finished, _Finished, str], Speedup],
 ) -> tuple[PassRecord, Candidate | None, _Finished | None]:
@@ -328,13 +366,15 @@ def _try(
             run = finish(candidate)
         built = f"built in {time.perf_counter() - started:.1f} s"
         with context.step(f"{name}: verifying"):
-            accuracy = reference.compare(_outputs(run.candidate, context), candidate.dtype, config)
+            outputs = _outputs(run.candidate, context)
+            accuracy = reference.compare(outputs, candidate.dtype, config)
             if not accuracy.passed and run.finished_by:
                 # Only the wrapped form moves? The finisher is at fault, and its own
                 # trial rejects it: judge the candidate without it.
-                bare = reference.compare(_outputs(candidate, context), candidate.dtype, config)
+                bare_outputs = _outputs(candidate, context)
+                bare = reference.compare(bare_outputs, candidate.dtype, config)
                 if bare.passed:
-                    run, accuracy = _Finished(candidate, ()), bare
+                    run, accuracy, outputs = _Finished(candidate, ()), bare, bare_outputs
     except PassSkipped as error:
         return record("skipped", str(error)), None, None
     except Exception as error:  # a failing pass is reported, never fatal
@@ -382,6 +422,21 @@ def _try(
     else:
         reason = f"{_below_bar(speedup.ratio)}, below the {bar:g}x needed to keep it ({built})"
         return record("rejected", reason, **fields), None, None
+    with context.step(f"{name}: verifying on held-out inputs"):
+        held = held_out.check(run.candidate, outputs, config, who=name, waived=waived)
+    if held is None and speedup.implausible:
+        why = f"{speedup.describe()} is implausible, and no held-out input could check it"
+        return record("rejected", f"{why} ({held_out.how})", **fields), None, None
+    if held is not None and not held.passed:
+        return (
+            record("rejected", f"{held.line} ({built}; timed at {speedup.describe()})", **fields),
+            None,
+            None,
+        )
+    if held is not None:
+        reason += f"; {held.line}"
+        if speedup.implausible:
+            reason += " (the figure is implausible: kept only as the held-out check passed)"
     return record("kept", reason, **fields), candidate, run
 
 
@@ -467,8 +522,47 @@ def _mark_superseded(records: list[PassRecord], final: Candidate) -> None:
 
 
 def _outputs(candidate: Candidate, context: Context) -> list:
+    return _outputs_on(candidate, context.test_args)
+
+
+def _outputs_on(candidate: Candidate, calls: list[tuple]) -> list:
     module = OptimizedModule.from_candidate(candidate)
-    return [module(*args) for args in context.test_args]
+    return [module(*args) for args in calls]
+
+
+def _waived(candidate: Candidate, passes: Sequence[Pass], config: Config) -> bool:
+    """Whether ``candidate``'s tolerance is waived: a precision pass in it, and
+    Config(disable_fp16_accuracy_check=True)."""
+    return config.disable_fp16_accuracy_check and any(
+        each.changes_precision and each.name in candidate.applied for each in passes
+    )
+
+
+def _unchecked(held_out: HeldOutCheck, given: bool) -> str:
+    if given:
+        return "not needed: the result is the model as given"
+    return f"not checked on held-out inputs ({held_out.how})"
+
+
+def _saved_judge(reference: Reference, held_out: HeldOutCheck, best: Candidate, config, waived):
+    """The judge of a saved format's outputs on the test data and then the held-out
+    inputs: the test data's comparison, and, when it passes, the held-out check."""
+    count = len(reference.inputs)
+
+    def judge(outputs: list):
+        on_test = reference.compare(outputs[:count], best.dtype, config)
+        if not on_test.passed or len(outputs) == count:
+            return on_test
+        return held_out.judge(
+            outputs[:count],
+            outputs[count:],
+            best.dtype,
+            config,
+            who="the saved file",
+            waived=waived,
+        )
+
+    return judge
 
 
 def _reference_outputs(given: Candidate, context: Context) -> list:

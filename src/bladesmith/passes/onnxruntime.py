@@ -9,6 +9,10 @@ The result stays a drop-in for any batch size: the first dimension of every inpu
 exported free, and the session is tried on a batch twice the example's against the
 model itself. A model whose graph fixes its batch (a reshape to a traced constant) fails
 that check; it is exported again, with fixed shapes, for each new input shape it meets.
+
+Its sessions do not spin between runs: the engine times them in alternation with other
+runners, which spinning threads would slow (a saved ``.onnx`` loads with ONNX Runtime's
+default, and its speed is measured alone, reloaded in a new process).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from bladesmith.onnx.runtime import without_spinning
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
 from bladesmith.runtimes.built_for import tensors_in
@@ -72,7 +77,10 @@ class OnnxRuntime(Pass):
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
         module, args = candidate.module, candidate.runner_args(context.example_args)
-        with tempfile.TemporaryDirectory(prefix="bladesmith-onnx-") as directory:
+        with (
+            without_spinning(),
+            tempfile.TemporaryDirectory(prefix="bladesmith-onnx-") as directory,
+        ):
             path = Path(directory) / "model.onnx"
             output_spec, none_outputs, runner = export_for_any_batch(
                 module, args, path, context.step

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.precision import AutocastFloats
+from bladesmith.passes.precision import AutocastFloats, CastFloats
 from bladesmith.passes.registry import Context, Pass
 from bladesmith.runtimes.torchscript import freeze, is_torchscript, quiet_torchscript
 from bladesmith.spec import TORCHSCRIPT_SUFFIX
@@ -38,17 +38,22 @@ class TorchScriptFreeze(Pass):
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
         example = candidate.runner_args(context.example_args)
-        module, autocast = candidate.module, None
-        if isinstance(module, AutocastFloats):  # a trace would drop autocast: keep it outside
-            module, autocast = module.module, module
+        module, cast = candidate.module, None
+        if isinstance(module, CastFloats) and is_torchscript(module.module):
+            # The precision passes' cast around a TorchScript model stays outside: a trace
+            # of it would drop autocast, and hold a list or dict input (handed on to the
+            # TorchScript model) as a constant.
+            module, cast = module.module, module
         with context.step("tracing and freezing with TorchScript"):
             frozen = freeze(module, example)
             with quiet_torchscript():
-                if autocast is None:
+                if isinstance(cast, AutocastFloats):  # freezing folds; optimize_for_inference's
+                    # oneDNN and fused cuDNN convolutions are operators autocast does not cast
+                    runner = AutocastFloats(frozen, cast.dtype, cast.output_dtype)
+                else:
                     runner = torch.jit.optimize_for_inference(frozen)
-                else:  # freezing folds; optimize_for_inference's oneDNN and fused cuDNN
-                    # convolutions are operators autocast does not cast
-                    runner = AutocastFloats(frozen, autocast.dtype, autocast.output_dtype)
+                    if cast is not None:
+                        runner = CastFloats(runner, cast.dtype, cast.output_dtype)
                 with torch.no_grad():
                     runner(*example)  # the profiling executor specialises on first runs
         return candidate.with_runner(runner, self.name)

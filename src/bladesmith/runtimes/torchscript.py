@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from bladesmith.errors import BladesmithError
 from bladesmith.runtimes.built_for import BuiltFor, Checked, follows_the_batch
@@ -136,9 +137,31 @@ def freeze(module: nn.Module, example_args: tuple) -> torch.jit.ScriptModule:
                     f"TorchScript cannot hold the model's outputs, {structure(outputs)}: "
                     "the items of a list, and the values of a dict, must all be of one type"
                 ) from error
+            _check_inputs_traced(scripted, example_args)
         frozen = torch.jit.freeze(scripted.eval())
     host_scalar_constants(frozen.graph)
     return frozen
+
+
+def _check_inputs_traced(traced: torch.jit.ScriptModule, example_args: tuple) -> None:
+    """Refuse a trace that computes nothing from its inputs: the tracer records a Python
+    list or dict handed to a TorchScript module inside the trace (a list of dicts of
+    images, say) as a constant, and the traced model would then answer every call with
+    the example's outputs."""
+    inputs = list(traced.graph.inputs())[1:]  # after self
+    carrying = [
+        value
+        for value, arg in zip(inputs, example_args)
+        if any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(arg))
+    ]
+    if carrying and not any(value.uses() for value in carrying):
+        shown = ", ".join(structure(arg) for arg in example_args)
+        raise BladesmithError(
+            f"TorchScript's trace held the inputs ({shown}) as constants: a list or dict "
+            "handed to a TorchScript module inside a trace is recorded as a value, so the "
+            "traced model would answer every input as it answered the test data; keep the "
+            "TorchScript model as it is (no wrapper), or give it tensors"
+        )
 
 
 def structure(value) -> str:

@@ -1,0 +1,161 @@
+"""The held-out check: a result against the model as given on inputs no pass saw.
+
+Passes are built and verified on the test data; a result may be right there alone (a
+trace that held its example as a constant answers it exactly). Every candidate that
+would be kept, the final result and every saved format are also run on held-out
+inputs derived from the test data (``verify.heldout``) and judged against the model as
+given there, at the tolerances measured on the test data. A result that fails there and
+answers the held-out inputs exactly as it answered the test data, where the model as
+given answers otherwise, does not depend on its inputs: it is refused with that reason,
+even where ``disable_fp16_accuracy_check`` waives its tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+from bladesmith.config import Config
+from bladesmith.engine.reference import Reference
+from bladesmith.errors import describe
+from bladesmith.passes.candidate import Candidate
+from bladesmith.passes.registry import Context
+from bladesmith.verify import degenerate_reasons
+from bladesmith.verify.heldout import held_out_inputs
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A held-out check's outcome, in one line (``summary``, as a Comparison gives)."""
+
+    passed: bool
+    line: str
+
+    def summary(self) -> str:
+        return self.line
+
+
+class HeldOutCheck:
+    """The model as given on held-out inputs, run on first use (``outputs_of(candidate,
+    args)`` runs a candidate on a list of argument tuples)."""
+
+    def __init__(
+        self, reference: Reference, given: Candidate, context: Context, outputs_of: Callable
+    ):
+        self._reference, self._given, self._context = reference, given, context
+        self._outputs_of = outputs_of
+        self._held: Reference | None = None
+        self._sources: list[int] = []
+        self._made = False
+        self.how = ""  # what the held-out inputs are, once made; why there are none
+
+    @property
+    def args(self) -> list[tuple]:
+        held = self._prepared()
+        return list(held.inputs) if held is not None else []
+
+    def _prepared(self) -> Reference | None:
+        if self._made:
+            return self._held
+        self._made = True
+        held = held_out_inputs(self._context.test_args)
+        try:
+            with self._context.step("running the model as given on held-out inputs"):
+                outputs = self._outputs_of(self._given, held.args)
+        except Exception as error:
+            self.how = f"none: the model as given failed on them ({describe(error)})"
+            self._context.notes.append(
+                f"Held-out inputs ({held.how}): the model as given failed on them "
+                f"({describe(error)}); results are verified on the test data only."
+            )
+            return None
+        kept = [i for i, out in enumerate(outputs) if not degenerate_reasons(out, held.args[i])]
+        if not kept:
+            self.how = "none: the model as given answers nothing on them (no finite output)"
+            return None
+        self._sources = [held.sources[i] for i in kept]
+        self._held = self._reference.on([held.args[i] for i in kept], [outputs[i] for i in kept])
+        self.how = f"{len(kept)} held-out input(s)"
+        self._context.notes.append(
+            f"Held-out inputs: {len(kept)} {held.how.split(' ', 1)[1]}: every result kept "
+            "is checked on them against the model as given."
+        )
+        return self._held
+
+    def check(
+        self,
+        candidate: Candidate,
+        test_outputs: list,
+        config: Config,
+        *,
+        who: str,
+        waived: bool = False,
+    ) -> Verdict | None:
+        """``candidate`` (``who``: the pass, or what it is, for the reason) on the held-out
+        inputs, given its outputs on the test data; None when there are none to check on.
+        ``waived``: its tolerance is not held against it (the dependence on the inputs
+        still is)."""
+        held = self._prepared()
+        if held is None:
+            return None
+        try:
+            outputs = self._outputs_of(candidate, held.inputs)
+        except Exception as error:
+            return Verdict(False, f"{who} failed on held-out inputs ({describe(error)})")
+        return self.judge(test_outputs, outputs, candidate.dtype, config, who=who, waived=waived)
+
+    def judge(
+        self,
+        test_outputs: list,
+        outputs: list,
+        dtype: torch.dtype,
+        config: Config,
+        *,
+        who: str,
+        waived: bool = False,
+    ) -> Verdict:
+        """Outputs on the held-out inputs (``outputs``) judged against the model's there;
+        when they fail, whether they answer as on the test data (``test_outputs``) where
+        the model does not: then they ignore their inputs, which no waiver excuses."""
+        held = self._prepared()
+        comparison = held.compare(outputs, dtype, config)
+        if comparison.passed:
+            return Verdict(True, f"held-out inputs within tolerance ({self.how})")
+        reference = self._reference
+        for index, source in enumerate(self._sources):
+            model_moved = not _identical(reference.outputs[source], held.outputs[index])
+            if model_moved and _identical(test_outputs[source], outputs[index]):
+                return Verdict(
+                    False,
+                    f"{who}: its outputs do not depend on its inputs: on held-out inputs "
+                    f"({self.how}) it answered exactly what it answered on the test data, "
+                    "where the model as given answers otherwise (the test input was held "
+                    "as a constant)",
+                )
+        if waived:
+            return Verdict(True, f"held-out inputs past tolerance, check disabled ({self.how})")
+        return Verdict(
+            False,
+            f"{who}: on held-out inputs ({self.how}) outputs moved past tolerance: "
+            f"{comparison.summary()}",
+        )
+
+
+def _identical(one, other) -> bool:
+    """The same structure holding the same values, exactly."""
+    leaves, spec = pytree.tree_flatten(one)
+    other_leaves, other_spec = pytree.tree_flatten(other)
+    if spec != other_spec:
+        return False
+    for x, y in zip(leaves, other_leaves, strict=True):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y.to(x.device)):
+                return False
+        elif x != y:
+            return False
+    return True
