@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 import bladesmith
 from bladesmith.config import Config
-from bladesmith.models.images import sample_images
+from bladesmith.images import sample_images
 from bladesmith.passes import Pass
 from bladesmith.passes.precision import BFloat16
 from bladesmith.passes.torchscript import TorchScriptFreeze

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bladesmith.onnx.runtime import without_spinning
+from bladesmith.onnx.sessions import without_spinning
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
 from bladesmith.runtimes.built_for import tensors_in

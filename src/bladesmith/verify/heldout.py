@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 
-from bladesmith.models.images import varied_photos
+from bladesmith.images import varied_photos
 
 # How each held-out variant changes a test entry, in words for the report.
 VARIANTS = (
