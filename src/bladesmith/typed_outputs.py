@@ -46,14 +46,20 @@ def plain(value):
     """``value`` with its dataclasses as dicts of their fields (a ``ModelOutput``: of the
     entries it holds), NamedTuples as tuples and other dict, list and tuple subclasses as
     dicts, lists and tuples, at any depth."""
-    if isinstance(value, dict):
-        return {key: plain(each) for key, each in value.items()}
-    if _is_dataclass(value):
-        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict) or _is_dataclass(value):
+        return {key: plain(each) for key, each in _entries(value).items()}
     if isinstance(value, (list, tuple)):
         items = [plain(each) for each in value]
         return items if isinstance(value, list) else tuple(items)
     return value
+
+
+def _entries(value) -> dict:
+    """A dict's items; a dataclass's fields by name (a ``ModelOutput``, a dict: only the
+    entries it holds)."""
+    if isinstance(value, dict):
+        return dict(value)
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
 
 
 def record(value) -> dict | None:
@@ -65,9 +71,8 @@ def record(value) -> dict | None:
 
 def _node(value) -> dict | None:
     if _is_dataclass(value):
-        keys = list(value) if isinstance(value, dict) else [f.name for f in dataclasses.fields(value)]
-        items = [value[k] for k in keys] if isinstance(value, dict) else [getattr(value, k) for k in keys]
-        return _typed("dataclass", type(value), keys, items)
+        entries = _entries(value)
+        return _typed("dataclass", type(value), list(entries), list(entries.values()))
     if _is_namedtuple(value):
         return _typed("namedtuple", type(value), list(type(value)._fields), list(value))
     if isinstance(value, dict):
