@@ -14,7 +14,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "bladesmith"
 # Low to high; a module may import its own layer and any lower one.
 LAYERS = [
     {"errors", "_files", "progress", "config", "spec", "bench", "report", "devices",
-     "toolchain", "environment", "images", "convs", "models.weights"},
+     "toolchain", "environment", "images", "convs", "models.weights", "typed_outputs"},
     {"verify"},
     {"ops"},
     {"onnx"},

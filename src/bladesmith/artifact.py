@@ -26,6 +26,7 @@ from bladesmith.runtimes import aoti, formats
 from bladesmith.runtimes.built_for import BuiltFor, Checked, one_per_signature
 from bladesmith.runtimes.torchscript import guarded
 from bladesmith.spec import AOTI_SUFFIX, SAVE_FORMATS, TORCHSCRIPT_SUFFIX, Spec
+from bladesmith.typed_outputs import Rebuild
 
 
 class OptimizedModule(nn.Module):
@@ -79,6 +80,9 @@ class OptimizedModule(nn.Module):
         # Registered, so that parameters() and state_dict() show the weights.
         self.module = candidate.module if candidate is not None else None
         self._user_form = family.user_form(self._run) if family is not None else None
+        # What runs returns plain containers: the model's own types are put back.
+        types = spec.output_types if spec is not None else None
+        self._typed = Rebuild(types) if types else None
 
     @classmethod
     def from_candidate(
@@ -122,7 +126,8 @@ class OptimizedModule(nn.Module):
         args, kwargs = moved_to(self.device, (args, kwargs))
         with torch.no_grad():
             if self.family is None:
-                return self._run(*args, **kwargs)
+                outputs = self._run(*args, **kwargs)
+                return self._typed(outputs) if self._typed is not None else outputs
             if self.output == "padded":
                 return self._run(*self.family.pipeline_args(args))
             return self._user_form(*args)

@@ -19,11 +19,15 @@ from pathlib import Path
 
 import torch
 
+# Outputs go back as plain containers (typed_outputs.plain), which ``weights_only`` reads:
+# the saving process compares values; the types are the loader's to find (a new process
+# may not have imported the user's module that defines them).
 _CHILD = """
 import sys, torch, bladesmith
+from bladesmith.typed_outputs import plain
 module = bladesmith.load(sys.argv[1])
 calls = torch.load(sys.argv[2], weights_only=True)
-torch.save([module(*args) for args in calls], sys.argv[3])
+torch.save([plain(module(*args)) for args in calls], sys.argv[3])
 """
 TIMEOUT_S = 600
 

@@ -49,6 +49,9 @@ class Spec:
     # saved before they were recorded.
     input_dtypes: tuple[str, ...] = ()
     input_ranges: tuple[tuple[int, int] | None, ...] = ()
+    # The model's output types (dataclasses, NamedTuples) as ``typed_outputs.record``
+    # gives them, rebuilt on what runs; None where it returns plain containers.
+    output_types: dict | None = None
 
     @property
     def save_hint(self) -> str:

@@ -18,6 +18,7 @@ detections that rounding alone flips are not held against a pass.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ from typing import NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
-from bladesmith import bench
+from bladesmith import bench, typed_outputs
 from bladesmith._files import first_line
 from bladesmith.artifact import OptimizedModule
 from bladesmith.bench import Speedup
@@ -149,12 +150,17 @@ def optimize(
             )
 
     given = Candidate(module=working, device=device, dtype=model_dtype(working))
-    best, best_run = given, finish(given)
     with progress.step("running the model as given"):
         with libraries.recording() as dispatched:
-            reference = Reference(
-                _reference_outputs(best, context), given, context, family_of(working)
-            )
+            outputs = _reference_outputs(given, context)
+            # Traces, exports and files hold no Python class: the passes get the model's
+            # dataclasses and NamedTuples as dicts and tuples, the result rebuilds them.
+            output_types = typed_outputs.record(outputs[0])
+            if output_types is not None:
+                given = dataclasses.replace(given, module=typed_outputs.PlainOutputs(working))
+                outputs = [typed_outputs.plain(each) for each in outputs]
+            reference = Reference(outputs, given, context, family_of(working))
+    best, best_run = given, finish(given)
     context.user_operators = frozenset(filter(libraries.is_user_operator, dispatched))
     held_out = HeldOutCheck(reference, given, context, _outputs_on)
     _check_save_as(working, context)
@@ -246,6 +252,7 @@ def optimize(
         final_accuracy = reference.compare(_outputs(best, context), best.dtype, config)
     backend = next((p for p in passes if p.name == best.backend), None)
     spec = spec_of(best, context, backend.saves_as if backend else None)
+    spec = dataclasses.replace(spec, output_types=output_types)
     optimized = OptimizedModule.from_candidate(
         best,
         spec=spec,

@@ -13,6 +13,7 @@ import torch
 from bladesmith.families import family_of
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass, PassSkipped
+from bladesmith.typed_outputs import PlainOutputs
 
 
 class FixedShape(Pass):
@@ -25,7 +26,10 @@ class FixedShape(Pass):
         if candidate.family is not None:
             return "the model is already a fixed-shape pipeline"
         if family_of(candidate.module) is None:
-            return f"no family of bladesmith.families recognises {type(candidate.module).__name__}"
+            model = candidate.module
+            if isinstance(model, PlainOutputs):  # named as the user knows it
+                model = model.model
+            return f"no family of bladesmith.families recognises {type(model).__name__}"
         return None
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:

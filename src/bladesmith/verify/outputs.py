@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bladesmith.typed_outputs import plain
 from bladesmith.verify._format import dtype_name, finite_or_none
 from bladesmith.verify.boxes import box_rule, largest_image_size, looks_like_boxes
 from bladesmith.verify.degenerate import TENSOR_LIKE, degenerate_reasons
@@ -137,8 +138,10 @@ def compare_outputs(
     image of ``image_size`` (width, height; by default the largest image in
     ``inputs``). Outputs ``computed_in`` float16 or bfloat16 move no more than
     ``HALF_SPREAD_CEILING`` of their reference's range. ``source`` says where ``rtol``
-    and ``atol`` come from (a ``Tolerance``'s own source wins).
+    and ``atol`` come from (a ``Tolerance``'s own source wins). Dataclasses and
+    NamedTuples are compared as the dicts and tuples they hold (``typed_outputs.plain``).
     """
+    reference, candidate = plain(reference), plain(candidate)
     tolerances = dict(tolerances or {})
     result = Comparison(allow_degenerate=allow_degenerate)
     used: set = set()
