@@ -106,6 +106,19 @@ def test_no_module_imports_from_a_higher_layer():
     assert upward_imports() == []
 
 
+def test_the_engine_names_no_pass():
+    """The engine reaches passes through their contract (the registry and the candidate),
+    never through a pass's own module."""
+    contract = {"bladesmith.passes", "bladesmith.passes.registry", "bladesmith.passes.candidate"}
+    named = [
+        f"{_module_name(path)} imports {imported}"
+        for path in sorted((SOURCE / "engine").glob("*.py"))
+        for imported in sorted(imports_of(path))
+        if imported.startswith("bladesmith.passes.") and imported not in contract
+    ]
+    assert named == []
+
+
 @pytest.mark.parametrize(
     ("source", "imported"),
     [

@@ -509,10 +509,10 @@ def test_a_finisher_rejected_at_its_turn_leaves_the_result_timed_without_it():
 
 
 def test_a_speedup_just_under_the_bar_is_not_shown_as_reaching_it():
-    from bladesmith.engine.search import _below_bar
+    from bladesmith.engine.trial import below_bar
 
-    assert _below_bar(1.0297) == "1.02x"
-    assert _below_bar(0.961) == "0.96x"
+    assert below_bar(1.0297) == "1.02x"
+    assert below_bar(0.961) == "0.96x"
 
 
 class Borderline(nn.Module):

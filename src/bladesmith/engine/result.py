@@ -1,5 +1,5 @@
-"""What ``optimize`` returns besides the module: the spec of the result and the parts of
-the report that describe the run (diagnosis, compatibility)."""
+"""What ``optimize`` returns besides the module: the spec of the result (the formats it
+is saved in, and why others are not) and the report of the run."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from bladesmith.engine.saved_formats import try_formats
 from bladesmith.onnx import user_ops
 from bladesmith.onnx.exporter import held_constants
 from bladesmith.ops import libraries
+from bladesmith.passes import registry
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.precision import BFLOAT16_PASSES, NO_ONNX_BF16
 from bladesmith.passes.registry import Context
+from bladesmith.report import PassRecord, Report, hardware_context, software_context
 from bladesmith.runtimes.built_for import tensors_in
 from bladesmith.runtimes.torchscript import is_torchscript
 from bladesmith.spec import (
@@ -162,9 +163,11 @@ def with_tried_formats(
             "not tried during optimize (an AOTInductor build takes minutes): "
             "bladesmith.save builds it, loads it back and checks its outputs"
         )
-    refused = {suffix: why for suffix, why in refused.items() if suffix in spec.save_formats}
-    if spec.dtype == "bfloat16" and ONNX_SUFFIX in spec.save_formats:
-        refused[ONNX_SUFFIX] = bfloat16_onnx_reason(spec.passes)
+    refused = {
+        suffix: why
+        for suffix, why in {**refused, **_dtype_refusals(spec)}.items()
+        if suffix in spec.save_formats
+    }
     formats = [each for each in spec.save_formats if each not in untried and each not in refused]
     tried, failed = try_formats(optimized, formats, test_args, judge)
     return dataclasses.replace(
@@ -176,13 +179,70 @@ def with_tried_formats(
     )
 
 
-def bfloat16_onnx_reason(passes) -> str:
-    """Why a result that computes in bfloat16 is not saved as ONNX, and what to do."""
-    kept = [name for name in passes if name in BFLOAT16_PASSES] or ["a bfloat16 pass"]
-    return f"bfloat16 was kept ({', '.join(kept)}), and {NO_ONNX_BF16[ONNX_SUFFIX]}"
+def _dtype_refusals(spec: Spec) -> dict[str, str]:
+    """The formats that a result computing in ``spec.dtype`` cannot be saved in (suffix:
+    why), as the passes that compute in that dtype declare them, naming those kept (a
+    model given in that dtype refuses them too)."""
+    computing = [
+        each
+        for each in registry.create_all()
+        if each.computes_in is not None
+        and str(each.computes_in).removeprefix("torch.") == spec.dtype
+    ]
+    refused: dict[str, str] = {}
+    for each in computing:
+        for suffix, why in each.refuses_formats.items():
+            refused.setdefault(suffix, why)
+    names = {each.name for each in computing}
+    kept = [name for name in spec.passes if name in names] or [f"a {spec.dtype} pass"]
+    return {
+        suffix: f"{spec.dtype} was kept ({', '.join(kept)}), and {why}"
+        for suffix, why in refused.items()
+    }
 
 
-def diagnosis(
+def report_of(
+    model_info: dict,
+    context: Context,
+    spec: Spec,
+    overall: Speedup,
+    doubts: list[str],
+    saved,
+    records: list[PassRecord],
+    accuracy,
+    held_out: str,
+) -> Report:
+    """The report of a run: the result ``spec``, timed at ``overall`` against the model
+    as given (``saved``: the saved result's speed), the passes' ``records``, the result's
+    ``accuracy`` (a ``verify.Comparison``) and what its ``held_out`` check said."""
+    if context.config.output == "padded" and spec.family is None:
+        context.notes.append(
+            "output='padded' applies to models a family adapts to a fixed-shape pipeline "
+            "(bladesmith.families); outputs are the model's own"
+        )
+    return Report(
+        software_context=software_context(),
+        hardware_context=hardware_context(context.device),
+        user_config={
+            "level": context.level,
+            "device": str(context.device),
+            **context.config.to_dict(),
+        },
+        diagnosis=_diagnosis(model_info, context, spec, overall, doubts, saved),
+        optimizations=records,
+        baseline=overall.baseline,
+        optimized=overall.candidate,
+        speedup=overall,
+        saved=saved,
+        accuracy={**accuracy.to_dict(), "held_out": held_out},
+        model_info={**model_info, "input_shapes": [list(s) for s in spec.input_shapes]},
+        compatibility_list=[_compatibility(context.device, spec)],
+        tolerance=spec.tolerance,
+        model_sdk={"load": "bladesmith.load(path)", "save": spec.save_hint},
+    )
+
+
+def _diagnosis(
     info: dict, context: Context, spec: Spec, overall: Speedup, doubts: list[str], saved
 ) -> dict:
     """The report's diagnosis; ``saved``: the saved result's speed (``SavedSpeed``)."""
@@ -210,7 +270,7 @@ def diagnosis(
     }
 
 
-def compatibility(device: torch.device, spec: Spec) -> dict:
+def _compatibility(device: torch.device, spec: Spec) -> dict:
     entry = {
         "device_type": {"cuda": "gpu"}.get(device.type, device.type),
         "torch": f">={torch.__version__.split('+')[0]} (the version that built it)",

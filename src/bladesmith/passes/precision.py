@@ -83,26 +83,26 @@ class Float16(Pass):
     levels = ("o1", "o2")
     devices = ("cuda",)  # CPUs have no fp16 matrix units: it is slower there
     changes_precision = True
-    dtype = torch.float16
+    computes_in = torch.float16
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if candidate.dtype != torch.float32:
             return f"the model computes in {dtype_name(candidate.dtype)}, not float32"
         if not any(p.is_floating_point() for p in candidate.module.parameters()):
             return "the model has no floating-point parameters"
-        return _nms_problem(candidate.module, self.dtype, context.device)
+        return _nms_problem(candidate.module, self.computes_in, context.device)
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
-        module = copy.deepcopy(candidate.module).to(self.dtype)
-        wrapped = CastFloats(module, self.dtype, output_dtype=candidate.dtype)
+        module = copy.deepcopy(candidate.module).to(self.computes_in)
+        wrapped = CastFloats(module, self.computes_in, output_dtype=candidate.dtype)
         example = candidate.runner_args(context.example_args)
         if is_torchscript(candidate.module) and _fails(wrapped, example):
             context.notes.append(
                 f"{self.name}: the TorchScript model keeps float32 casts in its graph, so "
                 f"{self.name} is tried under torch.autocast (a .pt save of it runs in float32)"
             )
-            wrapped = AutocastFloats(candidate.module, self.dtype, candidate.dtype)
-        return candidate.with_module(wrapped, self.name, dtype=self.dtype)
+            wrapped = AutocastFloats(candidate.module, self.computes_in, candidate.dtype)
+        return candidate.with_module(wrapped, self.name, dtype=self.computes_in)
 
 
 class BFloat16(Float16):
@@ -110,7 +110,7 @@ class BFloat16(Float16):
     or a CPU); on a CPU only where it computes in bfloat16 natively."""
 
     name = "bf16"
-    dtype = torch.bfloat16
+    computes_in = torch.bfloat16
     devices = ("cuda", "cpu")
     refuses_formats = NO_ONNX_BF16
 
@@ -132,6 +132,7 @@ class _PartsInBFloat16(Pass):
     levels = ("o1", "o2")
     devices = ("cpu",)
     changes_precision = True
+    computes_in = torch.bfloat16
     rewrites_modules = True
     refuses_formats = NO_ONNX_BF16
 
@@ -155,7 +156,7 @@ class _PartsInBFloat16(Pass):
         module = copy.deepcopy(candidate.module)
         for part in self.parts(module):
             self.convert(part)
-        return candidate.with_module(module, self.name, dtype=torch.bfloat16)
+        return candidate.with_module(module, self.name, dtype=self.computes_in)
 
 
 class RoIHeadsBFloat16(_PartsInBFloat16):

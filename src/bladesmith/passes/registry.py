@@ -55,6 +55,10 @@ class Pass:
     # Passes that change numerical precision are the ones the accuracy-check waiver
     # (Config.disable_fp16_accuracy_check) applies to.
     changes_precision: ClassVar[bool] = False
+    # The dtype a precision pass's result computes in. A result in that dtype is not saved
+    # in the ``refuses_formats`` of the passes that compute in it, whichever of them it
+    # kept: the engine asks the passes, never names them.
+    computes_in: ClassVar[torch.dtype | None] = None
     # An enabler is kept when accurate even if it is not faster by itself, because the
     # passes after it need what it does (fixed shapes for compilation and CUDA graphs).
     # If nothing after it pays off, the engine falls back to the fastest result.
