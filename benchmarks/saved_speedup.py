@@ -38,8 +38,8 @@ def models(names: list[str]):
     """(name, model, test input) of each model asked for that can be built here."""
     import torchvision
 
-    from bladesmith.models import build_retinanet
     from bladesmith.images import sample_images
+    from bladesmith.models import build_retinanet
 
     for name in names:
         if name == "retinanet":
