@@ -80,8 +80,8 @@ def test_gpu_passes_on_a_detector(retinanet, photos):
     records = {record.name: record for record in report.optimizations}
     assert records["cuda_graph"].status != "failed", records["cuda_graph"].reason
     assert records["inductor"].status != "failed", records["inductor"].reason
-    gate = report.accuracy
-    assert gate["passed"]
+    assert report.accuracy["passed"]
+    gate = next(o for o in report.accuracy["outputs"].values() if o["kind"] == "detections")
     # The result run again, judged at the numbers the gate states and by its rules. The
     # model as given runs its convolutions in TF32 on the GPU: the gate measures what that
     # rounding moves and excuses what the model's own rounding noise flips. Held instead to
