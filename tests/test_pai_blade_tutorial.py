@@ -80,6 +80,7 @@ def test_the_readme_tutorial_runs_and_deploys_in_a_new_process(tmp_path):
     assert deployed.returncode == 0, deployed.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_an_onnx_runtime_result_refuses_pt_and_saves_onnx_for_any_batch(tmp_path):
     pytest.importorskip("onnxruntime")
     torch.manual_seed(0)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 # What keeps these runs short: small photographs, few timed runs, only the passes that
 # rebuild the detector and change its layout.
@@ -37,6 +39,7 @@ def readme_example() -> str:
     return section[section.index("```python\n") + 10 : section.index("```\n", 10)]
 
 
+@pytest.mark.slow
 def test_the_readme_example_prints_a_line_per_pass_when_piped(tmp_path):
     code = readme_example()
     assert "(480, 640)" in code and "bladesmith.optimize(" in code
@@ -61,6 +64,7 @@ def test_the_readme_example_prints_a_line_per_pass_when_piped(tmp_path):
     assert "\r" not in done.stderr and "\x1b[" not in done.stderr  # no spinner, no colours
 
 
+@pytest.mark.slow
 def test_the_demo_prints_a_line_per_pass_when_piped(tmp_path):
     argv = [sys.executable, "-m", "bladesmith", "demo", "--device", "cpu", *QUICK_FLAGS]
     done = _run(argv, cwd=tmp_path)

@@ -61,6 +61,7 @@ def reload_in_new_process(path, args: tuple, expected, tmp_path, rtol=1e-4, atol
     return done.stdout
 
 
+@pytest.mark.slow
 def test_torch_loads_its_own_package_in_a_new_process_on_the_cpu():
     """The check the GPU test skips on finds nothing wrong where torch is sound: a
     broken check would skip the GPU test everywhere, silently."""

@@ -48,6 +48,7 @@ def records(report) -> dict:
     return {record.name: record for record in report.optimizations}
 
 
+@pytest.mark.slow
 def test_resnet50_keeps_norm_folding_and_rejects_a_one_percent_weight_error(resnet):
     model, x = resnet
     passes = [NormFolding(), OneConvOnePercentOff()]
@@ -98,6 +99,7 @@ class BFloat16OneConvHalfOff(CpuBFloat16):
         return super().apply(broken, context)
 
 
+@pytest.mark.slow
 def test_half_precision_is_judged_at_a_tolerance_measured_in_its_own_rounding(resnet):
     """ResNet-50 in bfloat16 moves its logits about 0.3, past the fixed bfloat16
     tolerance (1e-2 + 5e-2 x |logit|) near zero logits, yet less than rounding its

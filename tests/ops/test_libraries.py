@@ -95,6 +95,7 @@ def test_the_operators_a_model_calls_come_from_the_library_that_registers_them(
     assert libraries.operators_called(eager, (torch.rand(1, 3, 8, 8),)) == {OPERATOR}
 
 
+@pytest.mark.slow
 def test_optimize_save_bench_and_load_in_new_processes(user_library, model_file, tmp_path):
     out, report = tmp_path / "opt.pt", tmp_path / "report.json"
     flags = ["--load-library", str(user_library), *SIZE]

@@ -68,6 +68,7 @@ def test_a_model_instance_that_dies_ends_serve_with_exit_1_naming_it(net_artifac
     assert not _owned_folders(process.pid)
 
 
+@pytest.mark.slow
 def test_a_server_killed_leaves_folders_the_next_start_removes_and_a_thread_can_start_it(
     net_artifacts, tmp_path
 ):

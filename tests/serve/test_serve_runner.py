@@ -738,6 +738,7 @@ def test_an_answer_with_nan_where_its_reference_has_nan_is_the_same():
     assert not same({"output_0": np.array([[0.0, 1.0]], np.float32)}, reference)
 
 
+@pytest.mark.slow
 def test_a_detectors_test_rows_are_photographs_whose_answers_tell_rows_apart(detector_artifact):
     # Random pixels draw nearly the same detections from a detector whatever they are
     # (RetinaNet at 480x640: F1 0.73-0.8 between two rows), so the load test's and the

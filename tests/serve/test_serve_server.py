@@ -415,6 +415,7 @@ def _group(pgid: int) -> list[int]:
     return _group_members(pgid)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_serve_signalled_mid_load_answers_or_refuses_each_request_and_leaves_nothing(
     net_artifacts, tmp_path, signum
@@ -540,6 +541,7 @@ def _spin(protocol, client, x: np.ndarray, steps: int) -> np.ndarray:
     return client.infer("spin", [rows, counts]).as_numpy("output_0")
 
 
+@pytest.mark.slow
 def test_a_stop_answers_the_requests_that_had_arrived_and_refuses_later_ones(
     spin_artifact, tmp_path
 ):
@@ -618,6 +620,7 @@ def test_a_stop_answers_the_requests_that_had_arrived_and_refuses_later_ones(
     assert not _group(tritonserver), "a tritonserver or stub process survived"
 
 
+@pytest.mark.slow
 def test_a_second_signal_ends_the_stop_at_once_and_says_requests_may_be_cut_off(
     spin_artifact, tmp_path
 ):
