@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -20,9 +19,9 @@ pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton (bladesmit
 from serve_testing import free_ports  # noqa: E402
 from test_serve_server import (  # noqa: E402
     _children,
-    _environment,
     _tritonservers,
     _wait_ready,
+    started_serve,
 )
 
 import bladesmith  # noqa: E402
@@ -30,15 +29,7 @@ from bladesmith.serve.server import _group_members, _stubs  # noqa: E402
 
 
 def _serve(artifact: Path, log: Path) -> tuple[subprocess.Popen, int]:
-    http, grpc, metrics = free_ports(3)
-    command = [
-        sys.executable, "-m", "bladesmith", "serve", str(artifact),
-        "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-    ]  # fmt: skip
-    with open(log, "wb") as output:
-        process = subprocess.Popen(
-            command, stdout=output, stderr=subprocess.STDOUT, env=_environment()
-        )
+    process, http, _, _ = started_serve(artifact, log)
     _wait_ready(http, process, log)
     return process, http
 

@@ -70,10 +70,9 @@ def _tritonservers(pid: int) -> list[int]:
     return found
 
 
-@contextmanager
-def _serving(artifact: Path, log: Path, *options: str):
-    """`bladesmith serve ARTIFACT OPTIONS` as a user runs it, ready: (process, http, grpc
-    and metrics ports); SIGTERM (then SIGKILL) on exit if it still runs."""
+def started_serve(artifact: Path, log: Path, *options: str):
+    """`bladesmith serve ARTIFACT OPTIONS` started on free ports, its output in ``log``:
+    (process, http, grpc and metrics ports), not yet ready."""
     http, grpc, metrics = free_ports(3)
     command = [
         sys.executable, "-m", "bladesmith", "serve", str(artifact),
@@ -84,6 +83,14 @@ def _serving(artifact: Path, log: Path, *options: str):
         process = subprocess.Popen(
             command, stdout=output, stderr=subprocess.STDOUT, env=_environment()
         )
+    return process, http, grpc, metrics
+
+
+@contextmanager
+def _serving(artifact: Path, log: Path, *options: str):
+    """`bladesmith serve ARTIFACT OPTIONS` as a user runs it, ready: (process, http, grpc
+    and metrics ports); SIGTERM (then SIGKILL) on exit if it still runs."""
+    process, http, grpc, metrics = started_serve(artifact, log, *options)
     try:
         _wait_ready(http, process, log)
         yield process, http, grpc, metrics

@@ -304,3 +304,15 @@ def detections_note(name: str, pipeline: nn.Module, batch: torch.Tensor, builder
     else:
         verdict = "post-processing is timed under realistic load"
     return f"{name} detections per image: {counts} (at most {capacity}); {verdict}"
+
+
+def resnet18_p3_p7_body():
+    """A random ResNet-18 with the FPN torchvision's RetinaNet and FCOS put on ResNet-50
+    (levels P3-P7, 256 channels): the small backbone of both families' ``resnet18``."""
+    from torchvision.models import resnet18
+    from torchvision.models.detection.backbone_utils import _resnet_fpn_extractor
+    from torchvision.ops.feature_pyramid_network import LastLevelP6P7
+
+    return _resnet_fpn_extractor(
+        resnet18(), 5, returned_layers=[2, 3, 4], extra_blocks=LastLevelP6P7(256, 256)
+    )

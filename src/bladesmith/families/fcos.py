@@ -76,10 +76,7 @@ def build_fcos(
     """A seeded random-weight torchvision FCOS in eval mode whose transform keeps
     ``image_size`` as is; with ``realistic_load`` calibrated so that every level keeps
     at least 1,200 candidates (or all) over the score threshold on real photographs."""
-    from torchvision.models import resnet18
     from torchvision.models.detection import FCOS, fcos_resnet50_fpn
-    from torchvision.models.detection.backbone_utils import _resnet_fpn_extractor
-    from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 
     if backbone not in BACKBONES:
         raise ValueError(f"backbone must be one of {', '.join(BACKBONES)}; got {backbone!r}")
@@ -92,9 +89,7 @@ def build_fcos(
                 weights=None, weights_backbone=None, num_classes=num_classes, **sizes
             )
         else:
-            body = _resnet_fpn_extractor(
-                resnet18(), 5, returned_layers=[2, 3, 4], extra_blocks=LastLevelP6P7(256, 256)
-            )
+            body = steps.resnet18_p3_p7_body()
             model = FCOS(body, num_classes, **sizes)
     model.eval()
     if realistic_load:

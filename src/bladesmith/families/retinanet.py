@@ -190,11 +190,8 @@ def build_retinanet(
     candidates per level pass the score threshold, spread over a trained model's range
     of scores: post-processing then works as hard as for a trained model on a busy image.
     """
-    from torchvision.models import resnet18
     from torchvision.models.detection import retinanet_resnet50_fpn, retinanet_resnet50_fpn_v2
-    from torchvision.models.detection.backbone_utils import _resnet_fpn_extractor
     from torchvision.models.detection.retinanet import RetinaNet
-    from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 
     if backbone not in BACKBONES:
         raise ValueError(f"backbone must be one of {', '.join(BACKBONES)}; got {backbone!r}")
@@ -207,9 +204,7 @@ def build_retinanet(
             build = retinanet_resnet50_fpn if backbone == "resnet50" else retinanet_resnet50_fpn_v2
             model = build(weights=None, weights_backbone=None, num_classes=num_classes, **sizes)
         else:
-            body = _resnet_fpn_extractor(
-                resnet18(), 5, returned_layers=[2, 3, 4], extra_blocks=LastLevelP6P7(256, 256)
-            )
+            body = steps.resnet18_p3_p7_body()
             model = RetinaNet(body, num_classes, **sizes)
     model.eval()
     if realistic_load:
