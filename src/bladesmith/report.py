@@ -224,7 +224,7 @@ class Report:
         console.print(table)
 
         console.print(
-            f"[bold]Overall[/]: baseline {_latency(self.baseline)} -> optimized "
+            f"[bold]Overall[/], in this process: baseline {_latency(self.baseline)} -> optimized "
             f"{_latency(self.optimized)}, speedup "
             f"[bold]{_times(self.overall['speedup'], self.overall['interval'])}[/]"
         )

@@ -35,7 +35,7 @@ def test_optimize_save_and_load_in_a_new_process(family, tmp_path):
         device="cpu",
         test_data=[(photos,)],
         # Kept whatever the timing on a loaded machine: this test is about what runs.
-        config=Config(warmup=1, iters=2, exclude=["onnxruntime", "winograd"], min_speedup=0.01),
+        config=Config(warmup=1, iters=2, exclude=["onnxruntime", "winograd"], min_speedup=1e-6),
     )
     assert spec.family == family and "fixed_shape" in spec.passes, spec
     assert report.accuracy["passed"], report.accuracy

@@ -18,7 +18,7 @@ from bladesmith.passes.precision import BFloat16, Float16
 from bladesmith.verify import compare_outputs, default_tolerance
 
 # Accuracy decides here: a 2-core machine shared with other work times too noisily.
-QUICK = bladesmith.Config(warmup=0, iters=2, min_speedup=0.01, progress=False)
+QUICK = bladesmith.Config(warmup=0, iters=2, min_speedup=1e-6, progress=False)
 
 
 def one_conv_scaled(module, factor: float):

@@ -13,7 +13,7 @@ from bladesmith.config import Config
 from bladesmith.passes import Pass
 from engine_testing import Memoized
 
-QUICK = Config(warmup=1, iters=6, min_speedup=0.01, progress=False)
+QUICK = Config(warmup=1, iters=6, min_speedup=1e-6, progress=False)
 DELAY_S = 0.02
 
 

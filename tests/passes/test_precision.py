@@ -192,7 +192,7 @@ def test_linear_bf16_runs_the_linear_layers_alone_in_bfloat16_and_saves(tmp_path
     assert "not float32" in LinearBFloat16().skip_reason(mixed, context)
 
     # Through the gate, saved, and run in a new process with the same outputs.
-    config = Config(warmup=0, iters=2, min_speedup=0.01)
+    config = Config(warmup=0, iters=2, min_speedup=1e-6)
     optimized, spec, _ = bladesmith.optimize(
         model, device="cpu", test_data=[(x,)], config=config, passes=[LinearBFloat16()]
     )
@@ -243,7 +243,7 @@ def test_linear_bf16_runs_a_transformers_mlps_in_bfloat16_and_leaves_attention_a
         assert out.dtype == torch.float32 and not torch.equal(out, expected)
         torch.testing.assert_close(out, expected, rtol=5e-2, atol=5e-2)
 
-        config = Config(warmup=0, iters=2, min_speedup=0.01, progress=False)
+        config = Config(warmup=0, iters=2, min_speedup=1e-6, progress=False)
         _, spec, report = bladesmith.optimize(
             model, device="cpu", test_data=[(x,)], config=config, passes=[LinearBFloat16()]
         )
@@ -292,7 +292,7 @@ def test_roi_heads_bf16_runs_a_two_stage_detectors_heads_alone_in_bfloat16_and_s
     assert "no RoI heads" in RoIHeadsBFloat16().skip_reason(plain, context)
     assert "not float32" in RoIHeadsBFloat16().skip_reason(mixed, context)
 
-    config = Config(warmup=0, iters=2, min_speedup=0.01, exclude=("bf16", "winograd"))
+    config = Config(warmup=0, iters=2, min_speedup=1e-6, exclude=("bf16", "winograd"))
     optimized, spec, _ = bladesmith.optimize(
         model, device="cpu", test_data=[(list(images),)], config=config
     )
@@ -350,7 +350,7 @@ def test_roi_heads_bf16_runs_torchvisions_own_roi_heads_in_bfloat16(monkeypatch)
     assert out.keys() == expected.keys() and len(out["boxes"]) > 0
     assert all(value.dtype == expected[key].dtype for key, value in out.items())
 
-    config = Config(warmup=0, iters=1, min_speedup=0.01, allow_degenerate=True, progress=False)
+    config = Config(warmup=0, iters=1, min_speedup=1e-6, allow_degenerate=True, progress=False)
     _, _, report = bladesmith.optimize(
         model, device="cpu", test_data=[(images,)], config=config, passes=[RoIHeadsBFloat16()]
     )
