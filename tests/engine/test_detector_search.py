@@ -42,6 +42,7 @@ def optimized_detector(retinanet, photos):
     return (*result, state)
 
 
+@pytest.mark.slow
 def test_detector_keeps_torchvision_structure_and_detections(retinanet, photos, optimized_detector):
     optimized, spec, report, _ = optimized_detector
     expected = ("fixed_shape", "norm_folding", "channels_last", "torchscript", "memoized")
@@ -63,6 +64,7 @@ def test_detector_keeps_torchvision_structure_and_detections(retinanet, photos, 
     assert count.tolist() == [len(d["scores"]) for d in detections]
 
 
+@pytest.mark.slow
 def test_detector_optimization_leaves_the_users_model_untouched(retinanet, optimized_detector):
     optimized, _, _, state = optimized_detector
     assert retinanet.state_dict().keys() == state.keys()

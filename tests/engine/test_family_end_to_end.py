@@ -26,6 +26,7 @@ BUILDERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", BUILDERS)
 def test_optimize_save_and_load_in_a_new_process(family, tmp_path):
     model = BUILDERS[family]()

@@ -65,6 +65,7 @@ def report():
     )[2]
 
 
+@pytest.mark.slow
 def test_a_change_of_arithmetic_is_kept_at_the_models_own_noise_floor(report):
     records = {record.name: record for record in report.optimizations}
     other = records["other_arithmetic"]
@@ -74,6 +75,7 @@ def test_a_change_of_arithmetic_is_kept_at_the_models_own_noise_floor(report):
     assert "judged at that floor" in report.diagnosis["message"]
 
 
+@pytest.mark.slow
 def test_a_wrong_pass_is_still_rejected_at_the_floor(report):
     wrong = {record.name: record for record in report.optimizations}["first_conv_half_off"]
     assert wrong.status == "rejected" and "moved past tolerance" in wrong.reason, wrong.reason

@@ -53,6 +53,7 @@ def test_an_unregistered_family_is_not_recognised():
     )
 
 
+@pytest.mark.slow
 def test_optimize_adapts_a_registered_family_saves_it_and_a_new_process_loads_it(
     registered, tmp_path
 ):

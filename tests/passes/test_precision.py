@@ -163,6 +163,7 @@ class SlowInFloat32(nn.Linear):
         return super().forward(x)
 
 
+@pytest.mark.slow
 def test_linear_bf16_runs_the_linear_layers_alone_in_bfloat16_and_saves(tmp_path, monkeypatch):
     import bladesmith
     import bladesmith.passes.precision as precision

@@ -350,6 +350,7 @@ def test_on_a_gpu_each_bucket_replays_its_own_cuda_graph(tmp_path):
     assert len(runner.run.graphs) == 3
 
 
+@pytest.mark.slow
 def test_loadtest_judges_detections_as_the_gate_does_and_still_catches_a_mix_up(
     detector_artifact,
 ):
@@ -375,6 +376,7 @@ def test_loadtest_judges_detections_as_the_gate_does_and_still_catches_a_mix_up(
     assert not half(second, first)
 
 
+@pytest.mark.slow
 def test_loadtest_excuses_what_another_slot_flips_and_nothing_else(detector_artifact):
     from bladesmith.serve.answers import comparison
 
@@ -429,6 +431,7 @@ def test_loadtest_says_how_far_a_wrong_answer_is_from_its_own(net_artifacts):
     assert far[2] == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_loadtest_tells_detections_mixed_up_with_another_images_from_wrong_ones(
     detector_artifact,
 ):
@@ -461,6 +464,7 @@ def test_loadtest_asks_each_row_from_other_slots_in_every_bucket_size():
         assert len(answers) == 4 and all(answer["row"].tolist() == [[i, i]] for answer in answers)
 
 
+@pytest.mark.slow
 def test_loadtest_judges_a_mask_rcnns_masks_and_counts_a_wrong_mask_as_wrong(mask_artifact):
     from bladesmith.serve.answers import comparison
 
@@ -620,6 +624,7 @@ def test_non_finite_inputs_are_found_also_where_a_sum_overflows():
         assert not _all_finite(array)
 
 
+@pytest.mark.slow
 def test_a_detector_served_uint8_answers_as_its_images_scaled_to_float32(detector_artifact):
     path, photos = detector_artifact
     module = bladesmith.load(path)

@@ -226,6 +226,7 @@ def _state(pid: int) -> str:
         return "zombie"
 
 
+@pytest.mark.slow
 def test_serve_detector_answers_each_image_with_its_own_detections(detector_artifact):
     from bladesmith.verify import compare_detections
 
@@ -279,6 +280,7 @@ def test_serve_detector_answers_each_image_with_its_own_detections(detector_arti
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_detector_served_as_uint8_answers_a_float_image_and_a_load_test(detector_artifact):
     from bladesmith.serve.loadtest import loadtest
     from bladesmith.verify import compare_detections
@@ -300,6 +302,7 @@ def test_a_detector_served_as_uint8_answers_a_float_image_and_a_load_test(detect
         assert (row.answered, row.wrong, row.failed) == (12, 0, 0)
 
 
+@pytest.mark.slow
 def test_a_mask_rcnn_is_served_with_its_masks_and_load_tested_on_them(mask_artifact):
     from bladesmith.serve.loadtest import loadtest
     from bladesmith.verify import compare_detections
