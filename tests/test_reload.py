@@ -73,9 +73,7 @@ def net():
     return optimized_net()
 
 
-@pytest.mark.parametrize(
-    "suffix", [".pt", pytest.param(".pt2", marks=pytest.mark.slow), ".onnx"]
-)
+@pytest.mark.parametrize("suffix", [".pt", pytest.param(".pt2", marks=pytest.mark.slow), ".onnx"])
 def test_every_cpu_format_loads_in_a_new_process(suffix, net, tmp_path):
     optimized, spec, x = net
     assert suffix in (*spec.save_formats, *spec.untried_formats)  # .pt2: checked by save
