@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 import bladesmith
@@ -49,3 +51,42 @@ def test_save_refuses_an_untried_format_whose_new_process_crashes(tmp_path, monk
     else:
         raise AssertionError("save kept a .pt2 that a new process cannot load")
     assert not target.exists()
+
+
+ECHO = """
+print("a loader's notice on standard output")
+for message in requests():
+    reply({"twice": message * 2})
+"""
+
+
+def test_a_conversation_answers_each_request_and_keeps_prints_out_of_the_replies(tmp_path):
+    with fresh_load.conversation(ECHO, tmp_path / "unused.pt", None) as ask:
+        assert [ask(n) for n in (1, 2, 3)] == [{"twice": 2}, {"twice": 4}, {"twice": 6}]
+
+
+def test_a_conversation_whose_process_dies_says_why_in_one_line(tmp_path):
+    code = "next(requests())\nraise RuntimeError('the file holds no module')"
+    with fresh_load.conversation(code, tmp_path / "unused.pt", None) as ask:
+        try:
+            ask(1)
+        except fresh_load.NewProcessFailed as failure:
+            assert str(failure) == (
+                "a new process could not load and run it (RuntimeError: the file holds no module)"
+            )
+        else:
+            raise AssertionError("a dead process answered")
+
+
+def test_a_silent_conversation_ends_at_the_time_limit(tmp_path, monkeypatch):
+    monkeypatch.setattr(fresh_load, "TIMEOUT_S", 2)
+    code = "import time\nnext(requests())\ntime.sleep(60)"
+    start = time.monotonic()
+    with fresh_load.conversation(code, tmp_path / "unused.pt", None) as ask:
+        try:
+            ask(1)
+        except fresh_load.NewProcessFailed as failure:
+            assert "took over" in str(failure)
+        else:
+            raise AssertionError("a silent process answered")
+    assert time.monotonic() - start < 30  # ended, not waited for

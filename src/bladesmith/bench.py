@@ -242,8 +242,8 @@ def compare(
     kwargs = dict(kwargs or {})
     clock = _Clock(_device(device, (args, kwargs)))
     calls = [lambda fn=fn: fn(*args, **kwargs) for fn in (baseline, candidate)]
-    rounds = min(rounds, iters)
-    sizes = [iters // rounds + (1 if index < iters % rounds else 0) for index in range(rounds)]
+    sizes = round_sizes(iters, rounds)
+    rounds = len(sizes)
     wall: list[list[list[float]]] = [[], []]  # [which][round] -> samples
     cpu: list[list[list[float]]] = [[], []]
     load_before = _load_per_core()
@@ -272,25 +272,25 @@ def compare(
     return speedup
 
 
-def time_rounds(
-    fn: Callable, args: Sequence = (), warmup: int = 0, iters: int = 1, rounds: int = 1, device=None
-) -> list[tuple[list[float], list[float]]]:
-    """``fn(*args)`` timed alone: ``warmup`` untimed calls, then ``iters`` timed ones in
-    ``min(rounds, iters)`` rounds; each round's (wall ms, CPU ms) samples. For runners
-    that cannot take turns (one of them reloaded in another process): ``from_phases``
-    sets two such timings against each other."""
-    _check_counts(warmup=(warmup, 0), iters=(iters, 1), rounds=(rounds, 1))
+def time_round(fn: Callable, args: Sequence = (), iters: int = 1, device=None):
+    """``fn(*args)`` timed alone, ``iters`` calls: (wall ms, CPU ms) samples, one each.
+    For runners that cannot be called in turn from one loop (one of them reloaded in
+    another process): ``from_rounds`` sets such rounds against each other."""
+    _check_counts(iters=(iters, 1))
     clock = _Clock(_device(device, args))
-    rounds = min(rounds, iters)
-    sizes = [iters // rounds + (1 if index < iters % rounds else 0) for index in range(rounds)]
     with _collector_held(), clock.selected():
-        for _ in range(warmup):
-            fn(*args)
         clock.synchronize()
-        return [clock.time(lambda: fn(*args), size) for size in sizes]
+        return clock.time(lambda: fn(*args), iters)
 
 
-def from_phases(
+def round_sizes(iters: int, rounds: int) -> list[int]:
+    """``iters`` calls shared out over ``min(rounds, iters)`` rounds, as ``compare`` does."""
+    _check_counts(iters=(iters, 1), rounds=(rounds, 1))
+    rounds = min(rounds, iters)
+    return [iters // rounds + (1 if index < iters % rounds else 0) for index in range(rounds)]
+
+
+def from_rounds(
     baseline: list[tuple[list[float], list[float]]],
     candidate: list[tuple[list[float], list[float]]],
     *,
@@ -298,9 +298,8 @@ def from_phases(
     batch_size: int,
     device,
 ) -> Speedup:
-    """The Speedup of two ``time_rounds`` taken one after the other (round i against
-    round i, the same statistic as ``compare``): a change of load between the phases
-    is not cancelled as alternating rounds cancel it, and shows as rounds that disagree."""
+    """The Speedup of rounds timed in turn by the caller (``time_round``), round i of
+    each side next to the other in time: the same statistic as ``compare``."""
     import torch
 
     clock = _Clock(torch.device(device))

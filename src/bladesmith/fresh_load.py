@@ -10,11 +10,16 @@ compares what it gives with the optimized module.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -53,20 +58,97 @@ def in_new_process(code: str, path: Path, payload) -> tuple[object, str | None]:
     with tempfile.TemporaryDirectory(prefix="bladesmith-reload-") as folder:
         inputs, outputs = Path(folder) / "args.pt", Path(folder) / "outputs.pt"
         torch.save(payload, inputs)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
             result = subprocess.run(
                 [sys.executable, "-c", code, str(path), str(inputs), str(outputs)],
                 capture_output=True,
                 text=True,
                 timeout=TIMEOUT_S,
-                env=env,
+                env=_child_env(),
             )
         except subprocess.TimeoutExpired:
-            return None, f"loading and running it in a new process took over {TIMEOUT_S} s"
+            return None, _too_long()
         if result.returncode != 0:
-            return None, _why(result)
+            return None, _why(result.returncode, result.stderr)
         return torch.load(outputs, weights_only=True), None
+
+
+class NewProcessFailed(Exception):
+    """A conversation's process died or went silent; the message says why, in one line."""
+
+
+# Run before a conversation's code: its replies get standard output's descriptor to
+# themselves, and whatever else prints (a loader's notice) goes to standard error.
+_REPLIES = """
+import json as _json, os as _os, sys as _sys
+_replies = _os.fdopen(_os.dup(1), "w")
+_os.dup2(2, 1)
+def reply(message):
+    _replies.write(_json.dumps(message) + "\\n")
+    _replies.flush()
+def requests():
+    return (_json.loads(line) for line in _sys.stdin)
+"""
+
+
+@contextlib.contextmanager
+def conversation(code: str, path: Path, payload) -> Iterator[Callable[[object], object]]:
+    """A new Python process running ``code`` as ``python -c code PATH PAYLOAD`` (PAYLOAD
+    a file holding ``payload``), kept for a conversation: the block gets ``ask``, which
+    sends a message (JSON) and returns the process's answer. ``code`` answers each of
+    ``requests()`` with ``reply(message)``, once it is ready for it: the process and
+    this one can take turns on the machine. ``NewProcessFailed`` when it dies or takes
+    over ``TIMEOUT_S`` in all; it is ended when the block is."""
+    with contextlib.ExitStack() as stack:
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bladesmith-talk-")))
+        torch.save(payload, folder / "payload.pt")
+        errors = stack.enter_context(open(folder / "stderr.txt", "w+"))
+        child = subprocess.Popen(
+            [sys.executable, "-c", _REPLIES + code, str(path), str(folder / "payload.pt")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            env=_child_env(),
+        )
+        stack.callback(_end, child)
+        deadline = time.monotonic() + TIMEOUT_S
+
+        def ask(message):
+            try:
+                child.stdin.write(json.dumps(message) + "\n")
+                child.stdin.flush()
+            except BrokenPipeError:
+                pass  # it ended: its exit status and last error line say why, below
+            ready, _, _ = select.select([child.stdout], [], [], max(deadline - time.monotonic(), 0))
+            line = child.stdout.readline() if ready else ""
+            if line:
+                return json.loads(line)
+            if not ready:
+                child.kill()
+                raise NewProcessFailed(_too_long())
+            errors.seek(0)
+            raise NewProcessFailed(_why(child.wait(), errors.read()))
+
+        yield ask
+
+
+def _end(child: subprocess.Popen) -> None:
+    with contextlib.suppress(BrokenPipeError, OSError):
+        child.stdin.close()  # its requests() end, and it exits
+    try:
+        child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
+def _too_long() -> str:
+    return f"loading and running it in a new process took over {TIMEOUT_S} s"
+
+
+def _child_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
 
 
 def reload_problem(optimized, path: Path) -> str | None:
@@ -95,10 +177,10 @@ def reload_problem(optimized, path: Path) -> str | None:
     return None
 
 
-def _why(result: subprocess.CompletedProcess) -> str:
-    if result.returncode < 0:
-        name = signal.Signals(-result.returncode).name
+def _why(returncode: int, stderr: str) -> str:
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
         return f"a new process loading it was killed by {name} (torch's loader crashed)"
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    last = lines[-1] if lines else f"exit status {result.returncode}"
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else f"exit status {returncode}"
     return f"a new process could not load and run it ({last})"

@@ -82,3 +82,98 @@ def test_the_model_as_given_is_not_timed_again_as_saved():
         "measured": False,
         "why": "the result is the model as given",
     }
+
+
+LOGGED_ROUNDS = """
+import os, time
+from bladesmith import bench
+_time_round = bench.time_round
+def _logged(*args, **kwargs):
+    start = time.time()
+    samples = _time_round(*args, **kwargs)
+    with open(os.environ["SAVED_ROUNDS_LOG"], "a") as log:
+        log.write(f"{start} {time.time()} {os.getpid()}\\n")
+    return samples
+bench.time_round = _logged
+"""
+
+
+def timed_with_a_log(tmp_path, monkeypatch, iters: int, rounds: int):
+    """saved_speed of Sleepy without its sleep against Sleepy: the result, the file's
+    rounds (start, end, process id) as the new processes logged them, and the model as
+    given's calls (start, end)."""
+    from bladesmith.engine import saved_speed
+
+    x = torch.randn(2, 4)
+    optimized, spec, _ = bladesmith.optimize(
+        Sleepy().eval(), device="cpu", test_data=[x], config=QUICK, passes=[Awake()]
+    )
+    log = tmp_path / "saved_rounds.log"
+    monkeypatch.setenv("SAVED_ROUNDS_LOG", str(log))
+    monkeypatch.setattr(saved_speed, "_CHILD", LOGGED_ROUNDS + saved_speed._CHILD)
+    given_calls, model = [], Sleepy().eval()
+
+    def given(*args):
+        start = time.time()
+        model(*args)
+        given_calls.append((start, time.time()))
+
+    result = saved_speed.saved_speed(
+        optimized,
+        spec.save_formats,
+        given,
+        (x,),
+        warmup=1,
+        iters=iters,
+        rounds=rounds,
+        batch_size=2,
+        device="cpu",
+    )
+    logged = [line.split() for line in log.read_text().splitlines()]
+    return result, [(float(a), float(b), int(pid)) for a, b, pid in logged], given_calls
+
+
+def test_the_saved_file_and_the_model_as_given_take_turns_round_by_round(tmp_path, monkeypatch):
+    # A change of load between a phase of the model as given and the file's phase would
+    # read as speedup: their rounds alternate, never overlapping, as compare's do.
+    result, saved_rounds, given_calls = timed_with_a_log(tmp_path, monkeypatch, 8, 4)
+    assert result.speedup is not None and len(result.speedup.round_ratios) == 4
+    assert len(saved_rounds) == 5  # the warm-up, then a round of each of the 4
+    assert len({pid for *_, pid in saved_rounds}) == 1  # 4 rounds: too few to share
+    events = sorted(
+        [(a, b, "given") for a, b in given_calls] + [(a, b, "saved") for a, b, _ in saved_rounds]
+    )
+    for before, after in zip(events, events[1:]):
+        assert before[1] <= after[0], "the two sides ran at once"
+    turns = [
+        which
+        for index, (*_, which) in enumerate(events)
+        if index == 0 or events[index - 1][2] != which
+    ]
+    # warm-ups G, S; then rounds G/S, S/G, G/S, S/G
+    assert turns == ["given", "saved", "given", "saved", "given", "saved", "given"], turns
+
+
+def test_ten_rounds_are_shared_between_two_new_processes(tmp_path, monkeypatch):
+    # One process can run the file 10-40% apart from the next: the interval holds both.
+    result, saved_rounds, _ = timed_with_a_log(tmp_path, monkeypatch, 10, 10)
+    assert result.speedup is not None and len(result.speedup.round_ratios) == 10
+    first, second = sorted(
+        {pid for *_, pid in saved_rounds}, key=[p for *_, p in saved_rounds].index
+    )
+    assert [pid for *_, pid in saved_rounds] == [first] * 6 + [second] * 6  # warm-up + 5 each
+
+
+def test_a_saved_file_whose_process_dies_is_not_measured_and_says_why(monkeypatch):
+    from bladesmith.engine import saved_speed
+
+    monkeypatch.setattr(saved_speed, "_CHILD", "import os\nnext(requests())\nos.abort()")
+    _, _, report = bladesmith.optimize(
+        Sleepy().eval(),
+        device="cpu",
+        test_data=[torch.randn(2, 4)],
+        config=QUICK,
+        passes=[Awake()],
+    )
+    saved = report.overall["saved"]
+    assert saved["measured"] is False and "killed by SIGABRT" in saved["why"], saved

@@ -1,12 +1,16 @@
 """The speedup of what ``save`` writes: the result saved in its first format, reloaded
-in a new process and timed there alone, against the model as given timed alone in this
-one (before and after, so that the phases bracket a change of load).
+in a new process (two, sharing the rounds, where each gets ``ROUNDS_PER_PROCESS``), and
+timed there in rounds that take turns with rounds of the model as given in this one (one
+side at a time on the machine), each round's pair next to each other in time, as
+``bench.compare`` pairs them in one process.
 
 The in-process figure times the result as optimize holds it, in alternation with the
 model as given; a deployment runs the file. What the two share (the kernels, the
 arithmetic) they agree on; what they do not (a runner that only lives in the optimizing
 process, threads of another runtime spinning beside the baseline) shows as a gap
-between the two figures, which the report gives side by side.
+between the two figures, which the report gives side by side. Pairing the rounds in
+time matters on a shared machine: the model as given timed in one phase and the file
+in the next read a change of load (10-15% on a 2-core machine) as part of the speedup.
 """
 
 from __future__ import annotations
@@ -19,16 +23,22 @@ from bladesmith import bench
 from bladesmith.artifact import OptimizedModule, write
 from bladesmith.bench import Speedup
 from bladesmith.errors import describe
-from bladesmith.fresh_load import in_new_process
+from bladesmith.fresh_load import NewProcessFailed, conversation
 
+# A process of its own can run a file 10-40% slower or faster than the next one does (a
+# 2-core machine, measured): the rounds are shared between two processes where each
+# gets enough of them to be a figure, so that the interval holds both.
+ROUNDS_PER_PROCESS = 5
+
+# Each request is a count of calls: the reply is their (wall ms, CPU ms) samples.
 _CHILD = """
 import sys, torch, bladesmith
 from bladesmith import bench
 module = bladesmith.load(sys.argv[1])
-job = torch.load(sys.argv[2], weights_only=False)
+args = torch.load(sys.argv[2], weights_only=False)
 with torch.no_grad():
-    rounds = bench.time_rounds(module, job["args"], job["warmup"], job["iters"], job["rounds"])
-torch.save(rounds, sys.argv[3])
+    for calls in requests():
+        reply(bench.time_round(module, args, calls))
 """
 
 
@@ -47,8 +57,9 @@ class SavedSpeed:
         return {
             "format": self.suffix,
             "measured": True,
-            "method": "saved, reloaded in a new process and timed there alone; the model as "
-            "given timed alone here before and after",
+            "method": "saved, reloaded in a new process (two, sharing the rounds, where "
+            f"each gets {ROUNDS_PER_PROCESS}) and timed there in rounds that take turns "
+            "with the model as given's here, each side alone on the machine",
             **self.speedup.to_dict(),
         }
 
@@ -60,6 +71,35 @@ class SavedSpeed:
         if self.speedup is None:
             return f"saved: not measured ({self.why})"
         return f"saved as {self.suffix} and reloaded in a new process: {self.speedup.describe()}"
+
+
+def _shares(sizes: list[int]) -> list[list[int]]:
+    """The rounds each new process times: two processes when each gets at least
+    ``ROUNDS_PER_PROCESS`` rounds, else one."""
+    if len(sizes) < 2 * ROUNDS_PER_PROCESS:
+        return [sizes]
+    half = len(sizes) // 2
+    return [sizes[:half], sizes[half:]]
+
+
+def _in_turn(given, path: Path, args: tuple, sizes: list[int], warmup: int):
+    """(the model as given's rounds, the file's): a round of each per size, taking turns
+    (A/B, then B/A, as bench.compare alternates), the file's in new processes."""
+    given_rounds, saved_rounds = [], []
+    bench.time_round(given, args, max(warmup, 1))
+    for share in _shares(sizes):
+        with conversation(_CHILD, path, args) as saved:
+            # Two calls more than the warm-up: the in-process result ran on the test
+            # data while it was verified; TorchScript's profiling executor specialises
+            # on its first two.
+            saved(warmup + 2)
+            for size in share:
+                for which in (0, 1) if len(given_rounds) % 2 == 0 else (1, 0):
+                    if which == 0:
+                        given_rounds.append(bench.time_round(given, args, size))
+                    else:
+                        saved_rounds.append(tuple(saved(size)))
+    return given_rounds, saved_rounds
 
 
 def saved_speed(
@@ -76,28 +116,18 @@ def saved_speed(
 ) -> SavedSpeed:
     """``optimized`` written in the first of ``suffixes`` (the formats save was checked
     in), reloaded in a new process and timed there, against ``given`` (the model as
-    given's call) timed alone here in half the rounds before and half after."""
+    given's call) timed here: ``iters`` calls each, in ``rounds`` rounds that take turns."""
     if not suffixes:
         return SavedSpeed(None, None, "no format it saves in was tried")
     suffix = suffixes[0]
-    # Two calls more than the warm-up: the in-process result ran on the test data while
-    # it was verified, and TorchScript's profiling executor specialises on its first two.
-    job = dict(args=args, warmup=warmup + 2, iters=iters, rounds=rounds)
-    first = max(rounds // 2, 1)
     try:
         with tempfile.TemporaryDirectory(prefix="bladesmith-saved-") as folder:
             path = Path(folder) / f"model{suffix}"
             write(optimized, path)
-            before = bench.time_rounds(given, args, warmup, iters * first // rounds or 1, first)
-            saved, problem = in_new_process(_CHILD, path, job)
-            rest = rounds - first
-            left = iters - iters * first // rounds
-            after = bench.time_rounds(given, args, 0, left, rest) if rest else []
+            rounds_of = _in_turn(given, path, args, bench.round_sizes(iters, rounds), warmup)
+    except NewProcessFailed as failure:
+        return SavedSpeed(suffix, None, str(failure))
     except Exception as error:
         return SavedSpeed(suffix, None, describe(error))
-    if problem is not None:
-        return SavedSpeed(suffix, None, problem)
-    speedup = bench.from_phases(
-        before + after, saved, warmup=warmup, batch_size=batch_size, device=device
-    )
+    speedup = bench.from_rounds(*rounds_of, warmup=warmup, batch_size=batch_size, device=device)
     return SavedSpeed(suffix, speedup)
