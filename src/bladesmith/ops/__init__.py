@@ -239,16 +239,18 @@ def retinanet_postprocess(
     )
 
 
-def load_builtin() -> Exception | None:
-    """Load bladesmith's operator library, and torchvision's operators (RoIAlign, which
-    R-CNN artifacts call) where torchvision is installed; the error if bladesmith's
-    cannot be loaded (an artifact that needs no custom operator still loads)."""
+def load_builtin(torchvision: bool = True) -> Exception | None:
+    """Load bladesmith's operator library, and (``torchvision``) torchvision's operators
+    (RoIAlign, which R-CNN artifacts call) where torchvision is installed; the error if
+    bladesmith's cannot be loaded (an artifact that needs no custom operator still loads)."""
     import contextlib
+    import importlib
 
     from bladesmith.errors import OpsBuildError
 
-    with contextlib.suppress(ImportError):
-        import torchvision  # noqa: F401  (importing it registers its operators)
+    if torchvision:
+        with contextlib.suppress(ImportError):
+            importlib.import_module("torchvision")  # registers its operators
 
     try:
         load_library()

@@ -252,6 +252,12 @@ def is_user_operator(name: str) -> bool:
 def operators_called(module, example_args: tuple | None = None) -> set[str]:
     """The user's operators ``module`` calls: from the graph of a TorchScript module or
     an exported program, else recorded while it runs on ``example_args``."""
+    return {name for name in all_operators_called(module, example_args) if is_user_operator(name)}
+
+
+def all_operators_called(module, example_args: tuple | None = None) -> set[str]:
+    """Every operator ``module`` calls (torch's and torchvision's too), found as
+    ``operators_called`` finds the user's."""
     if isinstance(module, torch.export.ExportedProgram):
         module = module.graph_module
     if isinstance(module, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):
@@ -263,7 +269,7 @@ def operators_called(module, example_args: tuple | None = None) -> set[str]:
         names = _recorded(module, example_args)
     else:
         names = set()
-    return {name for name in names if name and is_user_operator(name)}
+    return {name for name in names if name and "::" in name}
 
 
 def _graph_kinds(graph) -> set[str]:
@@ -388,17 +394,17 @@ def stored(artifact: str | os.PathLike) -> Path | None:
 
 
 def store_needed(
-    module, example_args: tuple, folder: Path, *, fake_kernels_for: str | None = None
+    called: set[str], folder: Path, *, fake_kernels_for: str | None = None
 ) -> list[dict]:
-    """All that saving asks of the user's operator libraries: the operators ``module``
-    calls on ``example_args``, refused in one line where ``fake_kernels_for`` (a format's
-    suffix, which traces them on fake tensors) lacks a fake kernel for one; the
-    libraries they come from copied into ``folder`` (a new, empty one) with an index;
+    """All that saving asks of the user's operator libraries: the user's operators among
+    ``called`` (``all_operators_called``), refused in one line where ``fake_kernels_for``
+    (a format's suffix, which traces them on fake tensors) lacks a fake kernel for one;
+    the libraries they come from copied into ``folder`` (a new, empty one) with an index;
     their entries for the artifact's metadata: file, operators, SHA-256 (``restore``
     loads nothing else)."""
     from bladesmith.spec import TORCHSCRIPT_SUFFIX
 
-    operators = operators_called(module, example_args)
+    operators = {name for name in called if is_user_operator(name)}
     lacking = without_fake_kernel(operators) if fake_kernels_for else []
     if lacking:
         raise BladesmithError(

@@ -67,9 +67,11 @@ def write(module, calls: list[tuple], path: Path, metadata: dict, form: str, **o
     runtime = FORMATS[form]
     with replacing(path, libraries.folder_beside(path)) as (file, folder):
         fake_kernels_for = runtime.SUFFIX if runtime.NEEDS_FAKE_KERNELS else None
+        called = libraries.all_operators_called(module, calls[0])
         metadata["libraries"] = libraries.store_needed(
-            module, calls[0], folder, fake_kernels_for=fake_kernels_for
+            called, folder, fake_kernels_for=fake_kernels_for
         )
+        metadata["torchvision_operators"] = any(name.startswith("torchvision::") for name in called)
         runtime.write(module, calls, file, metadata, key=METADATA_KEY, name=path.name, **options)
 
 
@@ -79,7 +81,9 @@ def read(path: Path, info: dict):
     ``ops.libraries.restore``); one line for a file that does not load."""
     from bladesmith import ops
 
-    ops_error = ops.load_builtin()
+    # Importing torchvision (1.2 s of a 1.6 s load on a 2-core CPU) registers its
+    # operators: an artifact written before this was recorded may call them.
+    ops_error = ops.load_builtin(torchvision=info.get("torchvision_operators", True) is not False)
     libraries.restore(path, info.get("libraries", []))
     try:
         return FORMATS[path.suffix].read(path, info)
