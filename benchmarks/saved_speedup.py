@@ -1,9 +1,9 @@
 """The report's speedups against a reload's: each model optimized on the CPU, its report's
 in-process and saved figures (with their intervals), then the artifact saved with
-``bladesmith.save`` and reloaded ``--reloads`` times, each in a new process and timed
-there alone, against the model as given timed alone here just before and just after;
-the reloads' median ratio should lie inside the saved figure's interval. Each reload's
-ratio is printed too: one phase against the next moves with the machine's load.
+``bladesmith.save`` and reloaded ``--reloads`` times, each in a new process that also
+builds the model as given (the same seed, the same weights) and times the two there in
+alternating rounds (``bench.compare``, none of optimize's code); the reloads' median
+ratio should lie inside the saved figure's interval.
 
     python3 benchmarks/saved_speedup.py [--iters 20] [--reloads 3] [--models retinanet,...]
 
@@ -22,59 +22,68 @@ from pathlib import Path
 import torch
 
 import bladesmith
-from bladesmith import bench
 from bladesmith.fresh_load import in_new_process
 
-_CHILD = """
+_CHILD = f"""
 import sys, torch, bladesmith
 from bladesmith import bench
-module = bladesmith.load(sys.argv[1])
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from saved_speedup import build, fingerprint
+loaded = bladesmith.load(sys.argv[1])
 job = torch.load(sys.argv[2], weights_only=False)
+_, model, _ = build(job["name"])
+assert fingerprint(model) == job["fingerprint"], "the model as given was not rebuilt"
 with torch.no_grad():
-    timing = bench.measure(module, job["args"], warmup=job["warmup"], iters=job["iters"])
-torch.save(timing.p50_ms, sys.argv[3])
+    speedup = bench.compare(model, loaded, job["args"], warmup=5, iters=job["iters"])
+torch.save([speedup.ratio, speedup.low, speedup.high], sys.argv[3])
 """
+SEED = 0
 
 
-def models(names: list[str]):
-    """(name, model, test input) of each model asked for that can be built here."""
+def build(name: str):
+    """(label, model, test input) of a model by name, weights from ``SEED``; None when it
+    cannot be built here."""
     import torchvision
 
     from bladesmith.images import sample_images
     from bladesmith.models import build_retinanet
 
-    for name in names:
-        if name == "retinanet":
-            size = (192, 256)
-            yield name, build_retinanet(size), (list(sample_images(1, size)),)
-        elif name == "resnet50":
-            yield name, torchvision.models.resnet50().eval(), (torch.rand(1, 3, 224, 224),)
-        elif name == "timm":
-            try:
-                import timm
-            except ImportError:
-                print("timm: not installed here (pip install timm); skipped")
-                continue
-            model = timm.create_model("resnet18", pretrained=False).eval()
-            yield "timm resnet18", model, (torch.rand(1, 3, 224, 224),)
+    torch.manual_seed(SEED)
+    if name == "retinanet":
+        size = (192, 256)
+        return name, build_retinanet(size), (list(sample_images(1, size)),)
+    if name == "resnet50":
+        return name, torchvision.models.resnet50().eval(), (torch.rand(1, 3, 224, 224),)
+    if name == "timm":
+        try:
+            import timm
+        except ImportError:
+            print("timm: not installed here (pip install timm); skipped")
+            return None
+        model = timm.create_model("resnet18", pretrained=False).eval()
+        return "timm resnet18", model, (torch.rand(1, 3, 224, 224),)
+    raise SystemExit(f"--models: unknown model {name!r} (retinanet, resnet50, timm)")
 
 
-def reload_ratios(optimized, suffix: str, model, args: tuple, iters: int, reloads: int):
-    """Per reload, the model as given's p50 here (the mean of one phase just before and
-    one just after) over the saved file's p50 in a new process; and how."""
+def fingerprint(model) -> float:
+    """A sum over the weights: the same in a process that rebuilt the same model."""
+    return float(
+        sum(p.double().sum() for p in model.state_dict().values() if p.is_floating_point())
+    )
+
+
+def reload_ratios(optimized, suffix: str, name: str, model, args: tuple, iters: int, reloads: int):
+    """Per reload, in a new process: the model as given over the saved file, timed there
+    in alternating rounds: (ratio, low, high)."""
     results = []
+    job = dict(name=name, args=args, iters=iters, fingerprint=fingerprint(model))
     with tempfile.TemporaryDirectory() as folder:
         path = bladesmith.save(optimized, Path(folder) / f"model{suffix}")
         for _ in range(reloads):
-            job = dict(args=args, warmup=5, iters=iters)
-            with torch.no_grad():
-                before = bench.measure(model, args, warmup=3, iters=iters).p50_ms
-                saved, problem = in_new_process(_CHILD, path, job)
-                after = bench.measure(model, args, warmup=1, iters=iters).p50_ms
+            result, problem = in_new_process(_CHILD, path, job)
             if problem:
                 raise RuntimeError(problem)
-            given = (before + after) / 2
-            results.append((given / saved, f"{given:.1f} -> {saved:.1f} ms"))
+            results.append(tuple(result))
     return results
 
 
@@ -86,7 +95,11 @@ def main() -> None:
     options = parser.parse_args()
     config = bladesmith.Config(warmup=3, iters=options.iters, progress=False)
     rows = []
-    for name, model, args in models(options.models.split(",")):
+    for key in options.models.split(","):
+        built = build(key)
+        if built is None:
+            continue
+        name, model, args = built
         optimized, spec, report = bladesmith.optimize(
             model, "o1", device="cpu", test_data=[args], config=config
         )
@@ -95,12 +108,12 @@ def main() -> None:
             rows.append((name, spec.passes, overall, saved, None, saved.get("why")))
             continue
         reloads = reload_ratios(
-            optimized, saved["format"], model, args, options.iters, options.reloads
+            optimized, saved["format"], key, model, args, options.iters, options.reloads
         )
-        ratio = statistics.median(each for each, _ in reloads)
-        inside = sum(saved["low"] <= each <= saved["high"] for each, _ in reloads)
+        ratio = statistics.median(each for each, _, _ in reloads)
+        inside = sum(saved["low"] <= each <= saved["high"] for each, _, _ in reloads)
         how = f"{inside} of {len(reloads)} inside: " + "; ".join(
-            f"{each:.2f}x ({text})" for each, text in reloads
+            f"{each:.2f}x [{low:.2f}-{high:.2f}]" for each, low, high in reloads
         )
         rows.append((name, spec.passes, overall, saved, ratio, how))
     print(f"{'model':<14} {'kept':<40} {'in-process':<22} {'saved (report)':<26} reloads")
