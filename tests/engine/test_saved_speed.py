@@ -1,5 +1,5 @@
-"""The report's speedup of the artifact: the result as save writes it, reloaded in a new
-process and timed there alone, beside the in-process figure."""
+"""The report's speedup of the artifact: the result as save writes it, reloaded in new
+processes and timed there in turn with the model as given, beside the in-process figure."""
 
 from __future__ import annotations
 
