@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import torch
@@ -111,6 +112,9 @@ def conversation(code: str, path: Path, payload) -> Iterator[Callable[[object], 
             text=True,
             env=_child_env(),
         )
+        # A reader thread gives readline a time limit on every platform (select takes no
+        # pipes on Windows); it shuts down after the process has ended.
+        reader = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="bladesmith-talk"))
         stack.callback(_end, child)
         deadline = time.monotonic() + TIMEOUT_S
 
@@ -120,13 +124,14 @@ def conversation(code: str, path: Path, payload) -> Iterator[Callable[[object], 
                 child.stdin.flush()
             except BrokenPipeError:
                 pass  # it ended: its exit status and last error line say why, below
-            ready, _, _ = select.select([child.stdout], [], [], max(deadline - time.monotonic(), 0))
-            line = child.stdout.readline() if ready else ""
+            answer = reader.submit(child.stdout.readline)
+            try:
+                line = answer.result(timeout=max(deadline - time.monotonic(), 0))
+            except FutureTimeout:
+                child.kill()  # the readline then ends, and the reader with it
+                raise NewProcessFailed(_too_long()) from None
             if line:
                 return json.loads(line)
-            if not ready:
-                child.kill()
-                raise NewProcessFailed(_too_long())
             errors.seek(0)
             raise NewProcessFailed(_why(child.wait(), errors.read()))
 
