@@ -93,6 +93,9 @@ def main() -> None:
     parser.add_argument("--reloads", type=int, default=3)
     parser.add_argument("--models", default="retinanet,resnet50,timm")
     options = parser.parse_args()
+    for flag in ("iters", "reloads"):
+        if getattr(options, flag) < 1:
+            parser.error(f"--{flag} must be at least 1")
     config = bladesmith.Config(warmup=3, iters=options.iters, progress=False)
     rows = []
     for key in options.models.split(","):
