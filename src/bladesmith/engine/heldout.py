@@ -77,7 +77,9 @@ class HeldOutCheck:
             self.how = "none: the model as given answers nothing on them (no finite output)"
             return None
         self._sources = [held.sources[i] for i in kept]
-        self._held = self._reference.on([held.args[i] for i in kept], [outputs[i] for i in kept])
+        self._held = self._reference.on(
+            [held.args[i] for i in kept], [outputs[i] for i in kept], self._sources
+        )
         self.how = f"{len(kept)} held-out input(s)"
         self._context.notes.append(
             f"Held-out inputs: {len(kept)} {held.how.split(' ', 1)[1]}: every result kept "
@@ -121,7 +123,14 @@ class HeldOutCheck:
         when they fail, whether they answer as on the test data (``test_outputs``) where
         the model does not: then they ignore their inputs, which no waiver excuses."""
         held = self._prepared()
-        comparison = held.compare(outputs, dtype, config)
+        try:
+            comparison = held.compare(outputs, dtype, config)
+        except Exception as error:  # a comparison that cannot be made verifies nothing
+            return Verdict(
+                False,
+                f"{who}: its outputs on held-out inputs ({self.how}) could not be compared "
+                f"with the model's ({describe(error)})",
+            )
         if comparison.passed:
             return Verdict(True, f"held-out inputs within tolerance ({self.how})")
         reference = self._reference

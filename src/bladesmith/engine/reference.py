@@ -6,6 +6,7 @@ detections under fp16/TF32 rounding say which flips rounding alone makes."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -83,16 +84,21 @@ class Reference:
         self._floor: tuple | None | bool = False  # False: not yet measured
         self._says_floor = True  # the held-out copy's floor follows the note this one gave
         self._measured: dict[torch.dtype, NoiseTolerances | None] = {}
+        # A held-out copy's: the test data's reference and the test input each call was
+        # derived from, whose measured tolerances judge it (``on``).
+        self._judged_as: tuple[Reference, list[int]] | None = None
         self.measured = None if context.config.atol is not None else self._measure(self.dtype)
 
-    def on(self, inputs: list[tuple], outputs: list) -> Reference:
-        """The model's ``outputs`` on other ``inputs`` (held-out ones), judged at the
-        tolerances measured on the test data."""
+    def on(self, inputs: list[tuple], outputs: list, sources: list[int]) -> Reference:
+        """The model's ``outputs`` on other ``inputs`` (held-out ones), each judged at the
+        tolerances measured on the test input it was derived from (``sources``: its
+        index in the test data), however many there are of each."""
         other = copy.copy(self)
         other.inputs, other.outputs = inputs, outputs
         other.flips = self.family is not None or contains_detections(outputs)
         other._noisy, other._floor, other._says_floor = None, False, False
-        return other  # shares _measured: the tolerances are the test data's
+        other._judged_as = (self, sources)
+        return other
 
     def _measure(self, dtype: torch.dtype) -> NoiseTolerances | None:
         """The tolerances of outputs computed in ``dtype`` (the model's own, or a 16-bit
@@ -137,7 +143,12 @@ class Reference:
     def _measured_for(self, dtype: torch.dtype) -> NoiseTolerances | None:
         """The measured tolerances that judge outputs computed in ``dtype``: the model's
         own dtype's and, unless the outputs are detections (matched by their family's
-        rules), the 16-bit types' (measured on first use); none where Config sets atol."""
+        rules), the 16-bit types' (measured on first use); none where Config sets atol.
+        A held-out copy's are the test data's, each call's its source's."""
+        if self._judged_as is not None:
+            test, sources = self._judged_as
+            measured = test._measured_for(dtype)
+            return None if measured is None else _for_calls(measured, sources, self.outputs)
         if self.measured is None:
             return None
         if dtype == self.dtype:
@@ -289,3 +300,17 @@ class Reference:
             max(d.max_score_deviation or 0.0 for d in found),
             spread,
         )
+
+
+def _for_calls(measured: NoiseTolerances, sources: list[int], outputs: list) -> NoiseTolerances:
+    """``measured`` (keyed by the test calls' paths, "out[3]['logits']") for other calls:
+    each output of call ``i`` of ``outputs`` at the tolerance of the same output of test
+    call ``sources[i]``; an output that call lacks is judged at the overall rtol and atol."""
+    tolerances = {}
+    for call, source in enumerate(sources):
+        own, theirs = f"out[{call}]", f"out[{source}]"
+        for path, _ in tensor_paths(outputs[call], own):
+            tolerance = measured.tolerances.get(theirs + path.removeprefix(own))
+            if tolerance is not None:
+                tolerances[path] = tolerance
+    return dataclasses.replace(measured, tolerances=tolerances)
