@@ -22,7 +22,7 @@ import subprocess
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
@@ -303,10 +303,67 @@ def recording() -> Iterator[set[str]]:
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             seen.add(func._schema.name)
-            return func(*args, **(kwargs or {}))
+            args, kwargs = _numbers_as_given(func, args, kwargs or {})
+            return func(*args, **kwargs)
 
     with Record():
         yield seen
+
+
+# The dtype of the tensor torch wraps a Python number in (a "wrapped number").
+_WRAPPED_DTYPES = {
+    bool: torch.bool,
+    int: torch.int64,
+    float: torch.float64,
+    complex: torch.complex128,
+}
+
+
+def _numbers_as_given(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments of ``func`` as the caller gave them. torch hands a dispatch mode a
+    wrapped number (the tensor a trace holds for ``x * 100``, a TorchScript
+    ``NumToTensor``) as a Python number, and calling ``func`` with it fails unless the
+    operator takes numbers for tensors (``add``, ``mul``, ...): a fresh TorchScript
+    model, whose first call folds such a constant with ``_local_scalar_dense``, failed
+    under the recording. The number becomes the CPU tensor of one element it was."""
+    positions = _tensor_parameters(func)
+    if not positions:
+        return args, kwargs
+    args = list(args)
+    for position, name in positions:
+        if position < len(args):
+            args[position] = _as_tensor(args[position])
+        elif name in kwargs:
+            kwargs = {**kwargs, name: _as_tensor(kwargs[name])}
+    return tuple(args), kwargs
+
+
+@cache
+def _tensor_parameters(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each parameter of ``func`` that holds tensors, unless the
+    operator takes numbers for them itself."""
+    if torch._C._should_allow_numbers_as_tensors(func._schema.name.split("::")[-1]):
+        return ()
+    return tuple(
+        (position, argument.name)
+        for position, argument in enumerate(func._schema.arguments)
+        if _holds_tensors(argument.type)
+    )
+
+
+def _holds_tensors(kind) -> bool:
+    if isinstance(kind, torch._C.TensorType):
+        return True
+    if isinstance(kind, (torch._C.OptionalType, torch._C.ListType)):
+        return _holds_tensors(kind.getElementType())
+    return False
+
+
+def _as_tensor(value):
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_tensor(each) for each in value)
+    dtype = _WRAPPED_DTYPES.get(type(value))
+    return value if dtype is None else torch.tensor(value, dtype=dtype)
 
 
 # The dispatcher's refusal of an operator with no kernel for its inputs' device.
