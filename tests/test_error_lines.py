@@ -37,3 +37,19 @@ def test_a_kernels_source_location_is_left_out():
         "nms_kernel.cpp:122, \"nms_kernel\" not implemented for 'BFloat16'"
     )
     assert describe(error) == "RuntimeError: \"nms_kernel\" not implemented for 'BFloat16'"
+
+
+def test_an_error_without_a_message_is_described_by_the_error_it_was_raised_from():
+    try:
+        try:
+            {}["anchors"]
+        except KeyError as error:
+            raise RuntimeError("  \n") from error
+    except RuntimeError as error:
+        described = describe(error)
+    assert described == "RuntimeError with no message, raised from KeyError: 'anchors'"
+    assert describe(RuntimeError()) == "RuntimeError with no message"
+    # TorchScript's compiler starts its messages on a new line.
+    assert describe(RuntimeError("\nUnknown builtin op: a::b.\n")) == (
+        "RuntimeError: Unknown builtin op: a::b."
+    )

@@ -47,8 +47,24 @@ def quiet_log(name: str, level: int = logging.CRITICAL):
 def describe(error: BaseException) -> str:
     """One line for a report: the error's type and message, cut at 400 characters (tensor
     values elided)."""
-    text = one_line(f"{type(error).__name__}: {error}")
+    text = one_line(said(error))
     return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
+
+
+def said(error: BaseException) -> str:
+    """ "Type: message" of ``error``; of one without a message (torch raises some), also
+    the first error it was raised from that has one: "RuntimeError with no message,
+    raised from ValueError: ..."."""
+    if str(error).strip():
+        return f"{type(error).__name__}: {error}"
+    text = f"{type(error).__name__} with no message"
+    seen, cause = {id(error)}, error.__cause__ or error.__context__
+    while cause is not None and id(cause) not in seen:
+        if str(cause).strip():
+            return f"{text}, raised from {type(cause).__name__}: {cause}"
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return text
 
 
 def one_line(text: str) -> str:

@@ -178,3 +178,23 @@ def test_held_out_inputs_keep_the_signature_and_change_the_values():
         assert torch.equal(same_mask, mask) and three == 3
         assert not torch.equal(moved, entry[3])
     assert held_out_inputs([entry]).args[0][1].tolist() == held.args[0][1].tolist()  # seeded
+
+
+def test_a_torchscript_model_on_a_list_of_dicts_says_why_it_is_not_saved_as_onnx(dict_detector):
+    # Before, both said "ValueError: Invalid tensor data type 0." (the export's graph
+    # input had no type), or, where torch's error began on a new line, nothing at all.
+    pytest.importorskip("onnxruntime")
+    from bladesmith.passes.onnxruntime import OnnxRuntime
+
+    model, (image, _) = dict_detector
+    _, spec, report = bladesmith.optimize(
+        model,
+        device="cpu",
+        test_data=[([{"image": image}],)],
+        config=QUICK,
+        passes=[OnnxRuntime()],
+    )
+    cause = "the scripted forward's argument inputs: List[Dict[str, Tensor]] is not a tensor"
+    (record,) = report.optimizations
+    assert record.status == "failed" and cause in record.reason, record.reason
+    assert cause in spec.refused_formats[".onnx"], spec.refused_formats

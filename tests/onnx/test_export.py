@@ -537,3 +537,46 @@ def test_cli_exports_the_builtin_retinanet(tmp_path, capsys):
     assert retinanet.output_names == OUTPUT_NAMES
     boxes, scores, labels, counts = retinanet(torch.rand(1, 3, 64, 96))
     assert boxes.shape == (1, 300, 4) and labels.shape == (1, 300) and counts.shape == (1,)
+
+
+class ImagesInDicts(torch.nn.Module):
+    """PAI-Blade's detection tutorial's form: a list of {"image": tensor} dicts."""
+
+    def forward(self, batched_inputs: list[dict[str, torch.Tensor]]):
+        return torch.stack([d["image"] / 255.0 for d in batched_inputs]) * 2
+
+
+def test_a_scripted_forward_taking_dicts_is_named(tmp_path):
+    """The export wrote a graph input of no type, which ONNX's shape inference refused as
+    "Invalid tensor data type 0."."""
+    with pytest.warns(FutureWarning):
+        model = torch.jit.script(ImagesInDicts())
+    with pytest.raises(BladesmithError) as raised:
+        export(model, ([{"image": torch.rand(3, 8, 8)}],), tmp_path / "dicts.onnx")
+    message = str(raised.value)
+    assert message.startswith(
+        "ONNX export: the scripted forward's argument batched_inputs: "
+        "List[Dict[str, Tensor]] is not a tensor"
+    ), message
+    assert "data type 0" not in message and "\n" not in message
+    assert not (tmp_path / "dicts.onnx").exists()
+
+
+class RaisesWithoutMessage(torch.nn.Module):
+    def forward(self, x):
+        try:
+            int("three")
+        except ValueError as error:
+            raise RuntimeError() from error
+        return x
+
+
+def test_an_export_error_without_a_message_names_the_error_it_was_raised_from(tmp_path):
+    """Before: "torch.onnx.export failed (RuntimeError: )"."""
+    with pytest.raises(BladesmithError) as raised:
+        export(RaisesWithoutMessage(), (torch.rand(2),), tmp_path / "empty.onnx")
+    message = str(raised.value)
+    assert message.startswith(
+        "torch.onnx.export failed (RuntimeError with no message, raised from ValueError: "
+        "invalid literal for int() with base 10: 'three')"
+    ), message

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bladesmith.artifact import OptimizedModule, load, write
+from bladesmith.errors import describe
 
 
 def try_formats(
@@ -24,9 +25,8 @@ def try_formats(
                 write(optimized, path)
                 loaded = load(path)
                 outputs = [loaded(*args) for args in test_args]
-            except Exception as error:
-                text = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-                refused[suffix] = f"saving it and loading it back failed ({text})"
+            except Exception as error:  # torch's messages may start on a new line
+                refused[suffix] = f"saving it and loading it back failed ({describe(error)})"
                 continue
             comparison = judge(outputs)
             if comparison.passed:

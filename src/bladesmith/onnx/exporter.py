@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bladesmith._files import move_into_place
-from bladesmith.errors import BladesmithError
+from bladesmith.errors import BladesmithError, said
 from bladesmith.onnx import sessions, symbolic, user_ops
 from bladesmith.onnx.custom_nodes import METADATA_KEY
 from bladesmith.ops import libraries
@@ -65,6 +65,7 @@ def export(
     ops.load_library()
     if isinstance(model, torch.jit.ScriptModule):  # its graph names them: check first
         _check_all_arguments_given(model, args)
+        _check_arguments_are_tensors(model)
         user_ops.check_translations(libraries.operators_called(model), custom_ops)
     workdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
@@ -165,6 +166,35 @@ def _check_all_arguments_given(model: torch.jit.ScriptModule, args: tuple) -> No
         )
 
 
+def _check_arguments_are_tensors(model: torch.jit.ScriptModule) -> None:
+    """An ONNX graph takes tensors (and sequences of them) as inputs: the TorchScript
+    exporter wrote a scripted forward's list of dicts as an input of no type, which
+    ONNX's shape inference refused as "Invalid tensor data type 0."."""
+    try:
+        parameters = model.forward.schema.arguments[1:]  # after self
+    except (AttributeError, RuntimeError):  # no forward method to read
+        return
+    for parameter in parameters:
+        if _holds_dict_or_string(parameter.type):
+            raise BladesmithError(
+                f"ONNX export: the scripted forward's argument {parameter.name}: "
+                f"{parameter.type} is not a tensor, nor a tuple or list of them, which is "
+                "all an ONNX graph takes as inputs: export the nn.Module from Python (its "
+                "trace takes the tensors out of the dicts), or script a module whose "
+                "forward takes the tensors"
+            )
+
+
+def _holds_dict_or_string(kind) -> bool:
+    if isinstance(kind, (torch._C.DictType, torch._C.StringType)):
+        return True
+    if isinstance(kind, (torch._C.ListType, torch._C.OptionalType)):
+        return _holds_dict_or_string(kind.getElementType())
+    if isinstance(kind, torch._C.TupleType):
+        return any(_holds_dict_or_string(each) for each in kind.elements())
+    return False
+
+
 class _Forward(torch.nn.Module):
     def __init__(self, model: torch.nn.Module):
         super().__init__()
@@ -229,7 +259,7 @@ def _parameter_names(model) -> list[str]:
 def _export_error(error: Exception, opset: int) -> BladesmithError:
     """The exporter's own error, re-said with what to do."""
     return BladesmithError(
-        f"torch.onnx.export failed ({type(error).__name__}: {error}). The model must "
+        f"torch.onnx.export failed ({said(error)}). The model must "
         "trace with fixed-shape tensor inputs, and each of its operators needs an ONNX "
         f"translation at opset {opset} (a newer opset may have it)"
     )
