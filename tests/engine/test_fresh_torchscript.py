@@ -81,7 +81,14 @@ def run_script(code: str, directory: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_scripted_list_of_dicts_model_is_optimized_before_its_first_call(tmp_path):
+NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# On a GPU, a CUDA operator reads a CPU scalar operand with item() (_local_scalar_dense).
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, NEEDS_GPU])]
+)
+def test_a_scripted_list_of_dicts_model_is_optimized_before_its_first_call(device, tmp_path):
     (tmp_path / "wrapped.py").write_text(WRAPPED)
     done = run_script(
         """
@@ -89,22 +96,23 @@ def test_a_scripted_list_of_dicts_model_is_optimized_before_its_first_call(tmp_p
         from bladesmith.passes.torchscript import TorchScriptFreeze
         from wrapped import wrapped_model
 
+        device = DEVICE
         config = bladesmith.Config(warmup=0, iters=2, min_speedup=1e-6, progress=False)
-        image = torch.rand(3, 32, 32) * 255
-        scripted = wrapped_model()
+        image = torch.rand(3, 32, 32, device=device) * 255
+        scripted = wrapped_model().to(device)
         torch.jit.save(scripted, "wrapped.pt")
         # Neither model has been called: as built in this process, and loaded from disk.
-        for model in (scripted, torch.jit.load("wrapped.pt")):
+        for model in (scripted, torch.jit.load("wrapped.pt", map_location=device)):
             optimized, spec, report = bladesmith.optimize(
-                model, "o1", "cpu", test_data=[([{"image": image}],)], config=config,
+                model, "o1", device, test_data=[([{"image": image}],)], config=config,
                 passes=[TorchScriptFreeze()],
             )
             assert report.accuracy["passed"], report.accuracy["summary"]
             assert ".pt" in spec.save_formats, spec.refused_formats
-            other = torch.rand(3, 32, 32) * 255
+            other = torch.rand(3, 32, 32, device=device) * 255
             torch.testing.assert_close(optimized([{"image": other}]), model([{"image": other}]))
         print("ok")
-        """,
+        """.replace("DEVICE", repr(device)),
         tmp_path,
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
