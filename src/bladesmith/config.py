@@ -56,6 +56,11 @@ class Config:
     ``allow_degenerate``: keep passes even when the comparison has nothing to compare
     (non-finite inputs or reference outputs, no outputs, all-zero outputs, no detections),
     which is otherwise diagnosed and keeps nothing.
+    ``allow_unverified``: keep passes that change the arithmetic even when the model as
+    given cannot reproduce its own answer on the test inputs (its detections under
+    rounding noise agree with its own below ``engine.reference.MIN_SELF_AGREEMENT``),
+    so that the gate cannot tell a right result from a wrong one; the report says "not
+    verified on these inputs" all the same.
     ``progress``: a spinner on a terminal, else a line per pass (None or True); False: quiet.
     ``save_as``: the save format the result is for (".pt2", ".pt", ".onnx"; ``optimize
     --out`` sets it): passes whose result cannot be saved in it are skipped.
@@ -74,6 +79,7 @@ class Config:
     exclude: tuple[str, ...] = field(default_factory=tuple)
     output: str = "native"
     allow_degenerate: bool = False
+    allow_unverified: bool = False
     progress: bool | None = None
     save_as: str | None = None
 

@@ -141,7 +141,17 @@ def optimize(
     progress.done(overall)
     held_line = final_held.line if final_held else _unchecked(held_out, best is given)
     report = report_of(
-        model_info, context, spec, overall, doubts, saved, records, final_accuracy, held_line
+        model_info,
+        context,
+        spec,
+        overall,
+        doubts,
+        saved,
+        records,
+        final_accuracy,
+        held_line,
+        reference,
+        [each.name for each in passes if each.changes_arithmetic and each.name in best.applied],
     )
     return optimized, spec, report
 
