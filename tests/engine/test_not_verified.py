@@ -69,6 +69,14 @@ class SameKernels(RoundingLike):
     changes_arithmetic = False
 
 
+class PrecisionLike(RoundingLike):
+    """The same change, declared as a precision pass (what PAI-Blade's
+    disable_fp16_accuracy_check speaks of)."""
+
+    name = "precision_like"
+    changes_precision = True
+
+
 def _optimize(gain: float, passes: list[Pass], **settings):
     images = [torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(1))]
     return bladesmith.optimize(
@@ -120,6 +128,15 @@ def test_allow_unverified_keeps_it_labelled():
     assert headline.startswith("NOT VERIFIED on these inputs"), headline
     assert "rounding_like kept unverified" in headline
     assert report.accuracy["verified"] is False
+
+
+def test_pai_blades_waiver_keeps_a_precision_pass_labelled():
+    _, _, report = _optimize(1e5, [PrecisionLike()], disable_fp16_accuracy_check=True)
+    [record] = report.optimizations
+    assert record.status == "kept", record
+    assert "not verified on these inputs" in record.reason
+    assert "disable_fp16_accuracy_check=True" in record.reason
+    assert report.diagnosis["message"].startswith("NOT VERIFIED on these inputs")
 
 
 def test_a_model_that_reproduces_itself_stays_verified():

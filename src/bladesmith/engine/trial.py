@@ -134,7 +134,7 @@ class Trial:
             reason = f"outputs moved past tolerance{run.where} ({built}; not timed)"
             return record("rejected", reason, accuracy=accuracy), None, None
         unverified = accuracy.unverified if each.changes_arithmetic else ""
-        if unverified and not config.allow_unverified:
+        if unverified and not (config.allow_unverified or waived):
             reason = (
                 f"not kept: it changes the arithmetic, and {unverified}; "
                 f"Config(allow_unverified=True) keeps it unverified ({built}; not timed)"
@@ -157,7 +157,10 @@ class Trial:
         if run.finished_by:
             check += f", both timed{run.where}"
         if unverified:
-            check += ", not verified on these inputs (kept as Config(allow_unverified=True) asks)"
+            consent = (
+                "allow_unverified" if config.allow_unverified else "disable_fp16_accuracy_check"
+            )
+            check += f", not verified on these inputs (kept as Config({consent}=True) asks)"
         kept, reason = _speed_verdict(each, speedup, config.min_speedup, check, built)
         if not kept:
             return record("rejected", reason, **fields), None, None
