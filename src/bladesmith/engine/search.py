@@ -174,7 +174,8 @@ def _reference_of(
 def _saved_timed(
     optimized: OptimizedModule, is_given: bool, given: Candidate, trial: Trial
 ) -> SavedSpeed:
-    """The saved result's speed against the model as given, reloaded in a new process."""
+    """The saved result's speed, reloaded in a new process, against the model as given
+    rebuilt in one of its own where it can be."""
     if is_given:
         return SavedSpeed(None, None, "the result is the model as given")
     with trial.progress.step("timing the saved result, reloaded in a new process"):
@@ -185,6 +186,7 @@ def _saved_timed(
             trial.context.test_args[0],
             **trial.timing,
             batch_size=trial.batch_size,
+            given_module=given.module,
         )
 
 
