@@ -20,7 +20,9 @@ The in-process figure times the result as optimize holds it, in alternation with
 model as given; a deployment runs the file. What the two share (the kernels, the
 arithmetic) they agree on; what they do not (a runner that only lives in the optimizing
 process, threads of another runtime spinning beside the baseline) shows as a gap
-between the two figures, which the report gives side by side.
+between the two figures, which the report gives side by side. Pairing the rounds in
+time matters on a shared machine: the model as given timed in one phase and the file
+in the next read a change of load (10-15% on a 2-core machine) as part of the speedup.
 """
 
 from __future__ import annotations
@@ -66,11 +68,11 @@ module = bladesmith.load(sys.argv[1])
     + _TIMED
 )
 # The model as given: a file this process wrote for it alone, from the user's own model
-# (the classes it imports are the user's, found on this process's path).
+# (the classes it imports are the user's, found on this process's path, which
+# ``_given_side`` puts first).
 _GIVEN_CHILD = (
-    f"""
+    """
 import sys, torch
-sys.path[:0] = {sys.path!r}
 from bladesmith import bench
 path = sys.argv[1]
 module = torch.jit.load(path) if path.endswith(".pt") else torch.load(path, weights_only=False)
@@ -168,7 +170,8 @@ def _given_side(given: Callable, path: Path | None, args: tuple) -> Iterator[Cal
     if path is None:
         yield lambda calls: bench.time_round(given, args, calls)
         return
-    with conversation(_GIVEN_CHILD, path, args) as ask:
+    code = f"import sys\nsys.path[:0] = {sys.path!r}\n" + _GIVEN_CHILD
+    with conversation(code, path, args) as ask:
 
         def timed(calls: int):
             try:
