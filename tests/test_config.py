@@ -78,6 +78,11 @@ def test_the_issues_cases(settings, named):
     assert named in str(raised.value)
 
 
+def test_a_name_that_is_no_setting_is_one_line():
+    with pytest.raises(SettingError, match="Config has no setting 'rtl'; settings are rtol, "):
+        Config(rtl=1e-3)
+
+
 def test_pai_blades_nested_setting_is_typed():
     config = Config()
     with pytest.raises(SettingError) as raised:

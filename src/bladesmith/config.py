@@ -286,6 +286,14 @@ class Config:
     progress: bool | None = None
     save_as: str | None = None
 
+    def __new__(cls, *args, **settings):
+        unknown = [name for name in settings if name not in SETTINGS]
+        if unknown:  # before the dataclass's __init__ says it in a bare TypeError
+            raise SettingError(
+                f"Config has no setting {unknown[0]!r}; settings are {', '.join(SETTINGS)}"
+            )
+        return super().__new__(cls)
+
     def __post_init__(self):
         for name, setting in SETTINGS.items():
             object.__setattr__(self, name, setting.check(getattr(self, name)))
