@@ -277,8 +277,8 @@ def _not_verified(reference, kept: list[str]) -> str:
         )
     return (
         f"NOT VERIFIED on these inputs: {reference.unverifiable}; {done}. Give real inputs "
-        "(photographs of what the model is for, where it detects what it was trained to) "
-        "as test_data, and optimize again."
+        "as test_data (photographs of what the model is for) and the model its trained "
+        "weights, on which its detections do not hinge on rounding, and optimize again."
     )
 
 
