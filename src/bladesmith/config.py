@@ -10,17 +10,25 @@ defaults. PAI-Blade's assignments work too, each value checked as it is set:
     blade_config.gpu_config.disable_fp16_accuracy_check = True
     with blade_config:
         ...
- Levels: o0 changes no numerical precision; o1 adds fp16/bf16, kept only when
-the outputs stay within tolerance; o2 adds what takes longer to build (Inductor's
-max-autotune, Inductor on the CPU).
+
+Every setting is one row of ``SETTINGS`` (its kind, range or choices, and what it does):
+the constructor, every assignment and the command line's flags check a value against
+it, and a bad one is one ``SettingError`` line naming the setting and what it takes.
+Levels: o0 changes no numerical precision; o1 adds fp16/bf16, kept only when the outputs
+stay within tolerance; o2 adds what takes longer to build (Inductor's max-autotune,
+Inductor on the CPU).
 """
 
 from __future__ import annotations
 
 import contextvars
 import dataclasses
+import math
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from bladesmith.errors import SettingError
 from bladesmith.spec import SAVE_FORMATS
 
 LEVELS = ("o0", "o1", "o2")
@@ -31,34 +39,234 @@ _current: contextvars.ContextVar[Config | None] = contextvars.ContextVar(
 )
 
 
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its ``kind`` ("bool", "int", "number", "choice" or "names", a pass
+    name or several), whether None is allowed (``optional``: None then means the default
+    ``doc`` gives), its range (``low``/``high``, ``low`` excluded when ``above``) or its
+    ``choices``, and what it does (``doc``, as docs/optimize.md lists it)."""
+
+    name: str
+    kind: str
+    doc: str
+    optional: bool = False
+    low: float | None = None
+    high: float | None = None
+    above: bool = False
+    choices: tuple = ()
+
+    @property
+    def expected(self) -> str:
+        """What the setting takes, in words ("a number in (0, 1]")."""
+        return self._takes() + (" or None" if self.optional else "")
+
+    def _takes(self) -> str:
+        if self.kind == "choice":
+            text = "one of " + ", ".join(repr(choice) for choice in self.choices)
+        elif self.kind == "names":
+            text = "a pass name or a list of pass names"
+        else:
+            text = {"bool": "True or False", "int": "an integer", "number": "a number"}[self.kind]
+            if self.low is not None and self.high is not None:
+                text += f" in {'(' if self.above else '['}{self.low:g}, {self.high:g}]"
+            elif self.low is not None:
+                text += f" {'>' if self.above else '>='} {self.low:g}"
+        return text
+
+    def check(self, value):
+        """``value`` as the setting holds it (a number as float, names as a tuple), or a
+        ``SettingError`` naming the setting and what it takes."""
+        if value is None and self.optional:
+            return None
+        checked = self._checked(value)
+        if checked is _BAD:
+            plain = value is None or isinstance(value, (int, float))
+            shown = f"{value!r}" + ("" if plain else " " + _type(value))
+            raise SettingError(f"Config.{self.name}: expected {self.expected}, got {shown}")
+        return checked
+
+    def _in_range(self, value) -> bool:
+        if self.kind not in ("int", "number"):
+            return True
+        if self.low is not None and (value <= self.low if self.above else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+    def parse(self, text: str):
+        """The setting from a command-line flag's ``text``: an integer or number read
+        from it, then checked (argparse turns the error into its one line)."""
+        import argparse
+
+        reader = {"int": int, "number": float}.get(self.kind, str)
+        try:
+            value = reader(text)
+        except ValueError:
+            value = _BAD
+        if value is _BAD or value is None or self._checked(value) is _BAD:
+            raise argparse.ArgumentTypeError(f"expected {self._takes()}, got {text!r}")
+        return self._checked(value)
+
+    def _checked(self, value):
+        checked = _KINDS[self.kind](self, value)
+        return checked if checked is not _BAD and self._in_range(checked) else _BAD
+
+
+_BAD = object()
+
+
+def _type(value) -> str:
+    return f"(a {type(value).__name__})"
+
+
+def _bool(setting: Setting, value):
+    # Only True and False: "False" and "no" are truthy strings, and 0/1 hide a mistake.
+    return value if isinstance(value, bool) else _BAD
+
+
+def _int(setting: Setting, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return _BAD
+    return int(value)
+
+
+def _number(setting: Setting, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return _BAD
+    value = float(value)
+    return value if math.isfinite(value) else _BAD
+
+
+def _choice(setting: Setting, value):
+    return value if isinstance(value, str) and value in setting.choices else _BAD
+
+
+def _names(setting: Setting, value):
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, Iterable) or isinstance(value, (bytes, dict)):
+        return _BAD
+    value = tuple(value)
+    return value if all(isinstance(name, str) and name for name in value) else _BAD
+
+
+_KINDS = {"bool": _bool, "int": _int, "number": _number, "choice": _choice, "names": _names}
+
+SETTINGS = {
+    setting.name: setting
+    for setting in (
+        Setting(
+            "rtol",
+            "number",
+            "relative tolerance of tensor outputs, instead of the dtype's default "
+            "(`verify.default_tolerance`)",
+            optional=True,
+            low=0,
+        ),
+        Setting(
+            "atol",
+            "number",
+            "absolute tolerance of tensor outputs, instead of the one measured on the "
+            "model under rounding noise",
+            optional=True,
+            low=0,
+        ),
+        Setting(
+            "iou_threshold",
+            "number",
+            "IoU at which a detection matches its reference (same class)",
+            low=0,
+            high=1,
+            above=True,
+        ),
+        Setting("min_f1", "number", "F1 that detections must reach", low=0, high=1),
+        Setting(
+            "disable_fp16_accuracy_check",
+            "bool",
+            "keep fp16/bf16 even when it moves the outputs past tolerance (the report "
+            "still shows how far; a result whose outputs ignore its inputs is refused all "
+            "the same); PAI-Blade sets it as `config.gpu_config.disable_fp16_accuracy_check`",
+        ),
+        Setting(
+            "warmup",
+            "int",
+            "warm-up runs of each side of a comparison (None: CUDA 20, CPU 3)",
+            optional=True,
+            low=0,
+        ),
+        Setting(
+            "iters",
+            "int",
+            "timed runs of each side of a comparison (None: CUDA 100, CPU 10)",
+            optional=True,
+            low=1,
+        ),
+        Setting(
+            "rounds",
+            "int",
+            "alternating rounds a comparison's runs are split into (None: 10; at most `iters`)",
+            optional=True,
+            low=1,
+        ),
+        Setting(
+            "min_speedup",
+            "number",
+            "a pass is kept only when the interval of its speedup lies above it",
+            low=0,
+            above=True,
+        ),
+        Setting("include", "names", "passes to try that the level leaves out"),
+        Setting("exclude", "names", "passes not to try"),
+        Setting(
+            "output",
+            "choice",
+            '"padded": the result of a model a family adapts (a detector) takes one batch '
+            "tensor and returns the family's padded tensors instead of the model's own "
+            "structure",
+            choices=OUTPUT_FORMS,
+        ),
+        Setting(
+            "allow_degenerate",
+            "bool",
+            "keep passes even when the comparison has nothing to compare (non-finite "
+            "inputs or outputs, all-zero outputs, no detections)",
+        ),
+        Setting(
+            "allow_unverified",
+            "bool",
+            "keep passes that change the arithmetic even where the test inputs cannot "
+            "verify them (the model does not reproduce its own answer under rounding "
+            'noise); the report says "not verified on these inputs" all the same',
+        ),
+        Setting(
+            "progress",
+            "bool",
+            "a spinner on a terminal, else a line per pass (None or True); False: quiet",
+            optional=True,
+        ),
+        Setting(
+            "save_as",
+            "choice",
+            "the save format the result is for (`optimize --out` sets it): passes whose "
+            "result cannot be saved in it are skipped",
+            optional=True,
+            choices=SAVE_FORMATS,
+        ),
+    )
+}
+
+
 @dataclass
 class Config:
-    """What ``optimize`` tries and how it decides.
+    """What ``optimize`` tries and how it decides; ``SETTINGS`` says what each setting
+    takes and does.
 
     Accuracy: ``rtol``/``atol`` override the per-dtype tolerances of
     ``bladesmith.verify.default_tolerance`` for tensor outputs; detections match when
     F1 >= ``min_f1`` at IoU >= ``iou_threshold``, same class.
-    ``disable_fp16_accuracy_check`` keeps fp16/bf16 even when it moves the outputs past
-    tolerance (the report still shows by how much; a result whose outputs ignore its
-    inputs is refused all the same); PAI-Blade sets it as
-    ``config.gpu_config.disable_fp16_accuracy_check``.
-    Timing: ``warmup``/``iters`` default per device (None: CUDA 20/100, CPU 3/10), for
-    each side of a comparison: a candidate and the best so far run in ``rounds``
-    alternating rounds (default 10, at most ``iters``); a pass is kept only when the
-    interval of its speedup lies above ``min_speedup``
-    (``bladesmith.bench.STATISTIC`` says how both are computed).
-    Passes: ``include`` adds passes that the level leaves out, ``exclude`` removes
-    passes; both by name (see ``bladesmith.passes.registry.names()``).
-    ``output="padded"`` makes the optimized module of a model that a family adapts
-    (``bladesmith.families``: a detector) take one batch tensor [B, 3, H, W] and return
-    the family's padded tensors (a detector's boxes, scores, labels, num_detections),
-    instead of the model's own structure.
-    ``allow_degenerate``: keep passes even when the comparison has nothing to compare
-    (non-finite inputs or reference outputs, no outputs, all-zero outputs, no detections),
-    which is otherwise diagnosed and keeps nothing.
-    ``progress``: a spinner on a terminal, else a line per pass (None or True); False: quiet.
-    ``save_as``: the save format the result is for (".pt2", ".pt", ".onnx"; ``optimize
-    --out`` sets it): passes whose result cannot be saved in it are skipped.
+    Timing: a candidate and the best so far run in ``rounds`` alternating rounds of
+    ``iters`` runs in all after ``warmup`` (``bladesmith.bench.STATISTIC`` says how the
+    speedup and its interval are computed).
+    Passes: ``include`` and ``exclude`` by name (``bladesmith.passes.registry.names()``).
     """
 
     rtol: float | None = None
@@ -74,16 +282,24 @@ class Config:
     exclude: tuple[str, ...] = field(default_factory=tuple)
     output: str = "native"
     allow_degenerate: bool = False
+    allow_unverified: bool = False
     progress: bool | None = None
     save_as: str | None = None
 
+    def __new__(cls, *args, **settings):
+        unknown = [name for name in settings if name not in SETTINGS]
+        if unknown:  # before the dataclass's __init__ says it in a bare TypeError
+            raise SettingError(
+                f"Config has no setting {unknown[0]!r}; settings are {', '.join(SETTINGS)}"
+            )
+        return super().__new__(cls)
+
     def __post_init__(self):
-        for name in ("include", "exclude"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                value = (value,)
-            object.__setattr__(self, name, tuple(value))
-        self._check()
+        for name, setting in SETTINGS.items():
+            object.__setattr__(self, name, setting.check(getattr(self, name)))
+        overlap = set(self.include) & set(self.exclude)
+        if overlap:
+            raise SettingError(f"Config: passes both included and excluded: {sorted(overlap)}")
         object.__setattr__(self, "_ready", True)
 
     def __setattr__(self, name: str, value) -> None:
@@ -92,9 +308,9 @@ class Config:
         if not self.__dict__.get("_ready"):  # the dataclass's own __init__
             object.__setattr__(self, name, value)
             return
-        if name not in _FIELDS:
+        if name not in SETTINGS:
             raise AttributeError(
-                f"Config has no setting {name!r}; settings are {', '.join(_FIELDS)}"
+                f"Config has no setting {name!r}; settings are {', '.join(SETTINGS)}"
             )
         checked = dataclasses.replace(self, **{name: value})  # raises on a bad value
         object.__setattr__(self, name, getattr(checked, name))
@@ -104,35 +320,6 @@ class Config:
         """PAI-Blade's ``config.gpu_config``: its ``disable_fp16_accuracy_check`` is this
         Config's (the fp16/bf16 check on any device)."""
         return _Section(self, "gpu_config", ("disable_fp16_accuracy_check",))
-
-    def _check(self) -> None:
-        overlap = set(self.include) & set(self.exclude)
-        if overlap:
-            raise ValueError(f"Config: passes both included and excluded: {sorted(overlap)}")
-        for name in ("rtol", "atol"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"Config.{name} must be >= 0, got {value!r}")
-        if not 0 < self.iou_threshold <= 1:
-            raise ValueError(f"Config.iou_threshold must be in (0, 1], got {self.iou_threshold!r}")
-        if not 0 <= self.min_f1 <= 1:
-            raise ValueError(f"Config.min_f1 must be in [0, 1], got {self.min_f1!r}")
-        if self.warmup is not None and (not isinstance(self.warmup, int) or self.warmup < 0):
-            raise ValueError(f"Config.warmup must be an integer >= 0, got {self.warmup!r}")
-        if self.iters is not None and (not isinstance(self.iters, int) or self.iters < 1):
-            raise ValueError(f"Config.iters must be an integer >= 1, got {self.iters!r}")
-        if self.rounds is not None and (not isinstance(self.rounds, int) or self.rounds < 1):
-            raise ValueError(f"Config.rounds must be an integer >= 1, got {self.rounds!r}")
-        if self.min_speedup <= 0:
-            raise ValueError(f"Config.min_speedup must be > 0, got {self.min_speedup!r}")
-        if self.save_as is not None and self.save_as not in SAVE_FORMATS:
-            raise ValueError(
-                f"Config.save_as must be one of {', '.join(SAVE_FORMATS)}, got {self.save_as!r}"
-            )
-        if self.output not in OUTPUT_FORMS:
-            raise ValueError(
-                f"Config.output must be one of {', '.join(OUTPUT_FORMS)}, got {self.output!r}"
-            )
 
     def __enter__(self) -> Config:
         # A stack of tokens, so that one Config may be entered again while active;
@@ -167,10 +354,37 @@ class Config:
         return min(self.rounds if self.rounds is not None else DEFAULT_ROUNDS, iters)
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: getattr(self, name) for name in SETTINGS}
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Config))
+if _FIELDS != tuple(SETTINGS):  # a field without its row would go unchecked
+    raise AssertionError(f"Config's fields {_FIELDS} and SETTINGS {tuple(SETTINGS)} differ")
+
+
+def check_config(config) -> Config:
+    """``config`` when it is a ``Config``, else one line saying what is expected."""
+    if not isinstance(config, Config):
+        raise SettingError(
+            f"config: expected a bladesmith.Config, got {config!r} {_type(config)}; "
+            "bladesmith.Config(rtol=..., ...) makes one"
+        )
+    return config
+
+
+def settings_table() -> str:
+    """The settings as docs/optimize.md lists them: a Markdown table of each setting,
+    its default, what it takes and what it does."""
+    defaults = {name: getattr(Config(), name) for name in SETTINGS}
+    rows = [
+        "| setting | default | takes | what it does |",
+        "| --- | --- | --- | --- |",
+        *(
+            f"| `{s.name}` | `{defaults[s.name]!r}` | {s.expected} | {s.doc} |"
+            for s in SETTINGS.values()
+        ),
+    ]
+    return "\n".join(rows)
 
 
 class _Section:
@@ -185,8 +399,14 @@ class _Section:
         return getattr(config, self._known(name))
 
     def __setattr__(self, name: str, value) -> None:
-        config, _, _ = self._where
-        setattr(config, self._known(name), value)
+        config, title, _ = self._where
+        name = self._known(name)
+        try:
+            setattr(config, name, value)
+        except SettingError as error:  # named as the user wrote it
+            raise SettingError(
+                str(error).replace(f"Config.{name}", f"Config.{title}.{name}", 1)
+            ) from None
 
     def _known(self, name: str) -> str:
         _, title, names = self._where
@@ -200,5 +420,5 @@ class _Section:
 
 def check_level(level: str) -> str:
     if level not in LEVELS:
-        raise ValueError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
+        raise SettingError(f"level: expected one of {', '.join(LEVELS)}, got {level!r}")
     return level

@@ -23,6 +23,12 @@ class MissingFileError(BladesmithError, FileNotFoundError):
     """A file bladesmith was asked to read does not exist."""
 
 
+class SettingError(BladesmithError, ValueError, TypeError):
+    """A setting of ``Config`` (or a flag that sets one) of the wrong type or out of range;
+    the message names it and what it takes (a ValueError and a TypeError too, as Python
+    raises either for a bad argument)."""
+
+
 class OpsBuildError(BladesmithError, RuntimeError):
     """The custom-operator library could not be built or loaded; names the missing tool."""
 

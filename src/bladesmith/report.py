@@ -245,6 +245,8 @@ class Report:
             )
         if self.accuracy:
             verdict = "[green]passed[/]" if self.accuracy.get("passed") else "[red]FAILED[/]"
+            if self.accuracy.get("not_verified"):
+                verdict = "[red]not verified on these inputs[/]"
             console.print(f"Accuracy {verdict}: {escape(self.accuracy.get('summary', ''))}")
             for source, paths in (self.accuracy.get("sources") or {}).items():
                 console.print(Text(f"  tolerance of {_paths(paths)}: {source}"))

@@ -16,7 +16,6 @@ from pathlib import Path
 from bladesmith.cli.args import (
     add_library_options,
     add_trust_option,
-    at_least,
     batch_sizes,
     input_size,
     output_file,
@@ -24,6 +23,7 @@ from bladesmith.cli.args import (
     readable_file,
 )
 from bladesmith.cli.models import DEFAULT_MODEL, MODEL_HELP, image_flags_advice, model_or_file
+from bladesmith.config import SETTINGS
 
 DEFAULT_INPUT_SIZE = (480, 640)
 SAVE_SUFFIXES = (".pt2", ".pt", ".onnx")  # spec.SAVE_FORMATS, without importing torch
@@ -97,8 +97,8 @@ def add_parser(subparsers) -> None:
     bench.add_argument(
         "artifacts", nargs="+", type=readable_file, metavar="ARTIFACT", help=".pt2 or .pt files"
     )
-    bench.add_argument("--warmup", type=at_least(0), help="warm-up runs (default: device's)")
-    bench.add_argument("--iters", type=at_least(1), help="timed runs (default: device's)")
+    bench.add_argument("--warmup", type=SETTINGS["warmup"].parse, help=SETTINGS["warmup"].doc)
+    bench.add_argument("--iters", type=SETTINGS["iters"].parse, help=SETTINGS["iters"].doc)
     bench.add_argument(
         "--json", type=output_file(), metavar="PATH", help="also write the table as JSON"
     )
@@ -131,8 +131,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         help="images per call (default 1); several sizes (1,8,32) give test data of each, "
         "the first timed: a .pt2 then holds a model for each, which serve uses as buckets",
     )
-    parser.add_argument("--warmup", type=at_least(0), help="warm-up runs per candidate")
-    parser.add_argument("--iters", type=at_least(1), help="timed runs per candidate")
+    parser.add_argument("--warmup", type=SETTINGS["warmup"].parse, help=SETTINGS["warmup"].doc)
+    parser.add_argument("--iters", type=SETTINGS["iters"].parse, help=SETTINGS["iters"].doc)
     parser.add_argument(
         "--exclude",
         action="append",

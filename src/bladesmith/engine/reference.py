@@ -44,6 +44,14 @@ ROUNDING_NOISE = TF32_NOISE
 # model counts as chaotic and is judged at its own F1: Faster R-CNN with random weights
 # leaves 12-17 of 200; a model with one borderline detection leaves 1.
 CHAOTIC_MISMATCHES = 3
+# The self-agreement (the lowest F1 of the model's detections under rounding noise
+# against its own) below which the gate cannot tell a right result from a wrong one:
+# past it, rounding alone changes most of what the model detects, and a floor that
+# excuses that excuses a wrong pass as well. Mask R-CNN with random weights and a score
+# threshold of 0.005 keeps near-tied detections on any image: F1 0.02 on a 480x640
+# uniform-noise image on an H100; on the CPU at 240x320, 0.76 there and 0.41 on a
+# photograph.
+MIN_SELF_AGREEMENT = 0.5
 
 
 @torch.no_grad()
@@ -83,6 +91,10 @@ class Reference:
         self._noisy: list | None = None
         self._floor: tuple | None | bool = False  # False: not yet measured
         self._says_floor = True  # the held-out copy's floor follows the note this one gave
+        # Why these inputs cannot verify a change of arithmetic (the model does not
+        # reproduce its own answer under rounding noise), once the noise runs found it.
+        self.unverifiable = ""
+        self.self_agreement: float | None = None  # that F1, once measured
         self._measured: dict[torch.dtype, NoiseTolerances | None] = {}
         # A held-out copy's: the test data's reference and the test input each call was
         # derived from, whose measured tolerances judge it (``on``).
@@ -98,6 +110,7 @@ class Reference:
         other.flips = self.family is not None or contains_detections(outputs)
         other._noisy, other._floor, other._says_floor = None, False, False
         other._judged_as = (self, sources)
+        other.unverifiable, other.self_agreement = "", None
         return other
 
     def _measure(self, dtype: torch.dtype) -> NoiseTolerances | None:
@@ -222,12 +235,15 @@ class Reference:
         if not self.flips or comparison.passed:
             return comparison
         comparison = compare(outputs, self.noisy())
-        if comparison.passed:
-            return comparison
-        floor = self.noise_floor(compare, config, score_atol)
-        if floor is None:
-            return comparison
-        return compare(outputs, self.noisy(), *floor)
+        if not comparison.passed:
+            floor = self.noise_floor(compare, config, score_atol)
+            if floor is not None:
+                comparison = compare(outputs, self.noisy(), *floor)
+        # Passed on rounding's excuses: they prove nothing where rounding changes most of
+        # what the model answers.
+        if comparison.passed and self._spread(compare, config) and self.unverifiable:
+            comparison.unverified = self.unverifiable
+        return comparison
 
     def noise_floor(self, compare, config: Config, score_atol: float):
         """(F1, score deviation, tolerances of the other fields by measure) at which a
@@ -241,9 +257,7 @@ class Reference:
         business, and a floor set by one flip would excuse any other. In scores and the
         other fields it may whenever they moved past their tolerance. None when the model
         is steadier than the gate."""
-        if self._floor is False:
-            self._floor = self._own_spread(compare)
-        if self._floor is None:
+        if not self._spread(compare, config):
             return None
         f1, mismatches, scores, spread = self._floor
         chaotic = f1 < config.min_f1 and mismatches >= CHAOTIC_MISMATCHES
@@ -277,6 +291,28 @@ class Reference:
         if self._says_floor and note not in self.context.notes:
             self.context.notes.append(note)
         return floor
+
+    def _spread(self, compare, config: Config) -> bool:
+        """Whether the noisy runs' spread against the model (``_own_spread``) is known,
+        measured on first use, with the self-agreement it gives and, where that is below
+        ``MIN_SELF_AGREEMENT`` (and past the gate in ``CHAOTIC_MISMATCHES`` detections or
+        more), why these inputs cannot verify a change of arithmetic."""
+        if self._floor is False:
+            self._floor = self._own_spread(compare)
+            if self._floor is not None:
+                f1, mismatches = self._floor[:2]
+                self.self_agreement = f1
+                if f1 < min(config.min_f1, MIN_SELF_AGREEMENT) and (
+                    mismatches >= CHAOTIC_MISMATCHES
+                ):
+                    self.unverifiable = (
+                        "the model as given does not reproduce its own detections on these "
+                        "inputs: with its weights moved by rounding noise it agrees with "
+                        f"itself at F1 {f1:.3g} ({mismatches} detections unmatched), below "
+                        f"{MIN_SELF_AGREEMENT:g}, so the gate cannot tell a right result "
+                        "from a wrong one"
+                    )
+        return self._floor is not None
 
     def _own_spread(self, compare) -> tuple[float, int, float, dict[str, float]] | None:
         """(lowest F1, most unmatched detections, largest matched score deviation, each

@@ -211,10 +211,14 @@ def report_of(
     records: list[PassRecord],
     accuracy,
     held_out: str,
+    reference,
+    changed_arithmetic: list[str],
 ) -> Report:
     """The report of a run: the result ``spec``, timed at ``overall`` against the model
     as given (``saved``: the saved result's speed), the passes' ``records``, the result's
-    ``accuracy`` (a ``verify.Comparison``) and what its ``held_out`` check said."""
+    ``accuracy`` (a ``verify.Comparison``), what its ``held_out`` check said and whether
+    the ``reference`` (``engine.reference.Reference``) could verify anything
+    (``changed_arithmetic``: the passes in the result that change the arithmetic)."""
     if context.config.output == "padded" and spec.family is None:
         context.notes.append(
             "output='padded' applies to models a family adapts to a fixed-shape pipeline "
@@ -228,13 +232,27 @@ def report_of(
             "device": str(context.device),
             **context.config.to_dict(),
         },
-        diagnosis=_diagnosis(model_info, context, spec, overall, doubts, saved),
+        diagnosis=_diagnosis(
+            model_info,
+            context,
+            spec,
+            overall,
+            doubts,
+            saved,
+            _not_verified(reference, changed_arithmetic),
+        ),
         optimizations=records,
         baseline=overall.baseline,
         optimized=overall.candidate,
         speedup=overall,
         saved=saved,
-        accuracy={**accuracy.to_dict(), "held_out": held_out},
+        accuracy={
+            **accuracy.to_dict(),
+            "held_out": held_out,
+            "verified": not reference.unverifiable,
+            "not_verified": reference.unverifiable,
+            "self_agreement": reference.self_agreement,
+        },
         model_info={**model_info, "input_shapes": [list(s) for s in spec.input_shapes]},
         compatibility_list=[_compatibility(context.device, spec)],
         tolerance=spec.tolerance,
@@ -242,12 +260,42 @@ def report_of(
     )
 
 
+def _not_verified(reference, kept: list[str]) -> str:
+    """The headline of a run whose test inputs cannot verify a change of arithmetic,
+    what was done about it (``kept``: the passes in the result that change it) and what
+    to do; "" when they can."""
+    if not reference.unverifiable:
+        return ""
+    config = reference.context.config
+    if kept:
+        done = f"{', '.join(kept)} kept unverified" + (
+            ", as Config(allow_unverified=True) asks" if config.allow_unverified else ""
+        )
+    else:
+        done = "no pass that changes the arithmetic was kept" + (
+            "" if config.allow_unverified else " (Config(allow_unverified=True) keeps them)"
+        )
+    return (
+        f"NOT VERIFIED on these inputs: {reference.unverifiable}; {done}. Give real inputs "
+        "as test_data (photographs of what the model is for) and the model its trained "
+        "weights, on which its detections do not hinge on rounding, and optimize again."
+    )
+
+
 def _diagnosis(
-    info: dict, context: Context, spec: Spec, overall: Speedup, doubts: list[str], saved
+    info: dict,
+    context: Context,
+    spec: Spec,
+    overall: Speedup,
+    doubts: list[str],
+    saved,
+    not_verified: str,
 ) -> dict:
-    """The report's diagnosis; ``saved``: the saved result's speed (``SavedSpeed``)."""
+    """The report's diagnosis; ``saved``: the saved result's speed (``SavedSpeed``);
+    ``not_verified``: why the test inputs verify nothing, its headline."""
     kept = ", ".join(spec.passes) or "no pass (the result is the model as given)"
     lines = [
+        not_verified,
         f"{info['name']} ({info['format']}, {info['parameters'] / 1e6:.1f}M parameters) on "
         f"{context.device}, level {context.level}.",
         *context.notes,
@@ -267,6 +315,7 @@ def _diagnosis(
         "saved": saved.to_dict(),
         "statistic": bench.STATISTIC,
         "doubts": doubts,
+        "verified": not not_verified,
     }
 
 

@@ -25,7 +25,7 @@ from bladesmith import bench, typed_outputs
 from bladesmith._files import first_line
 from bladesmith.artifact import OptimizedModule
 from bladesmith.bench import Speedup
-from bladesmith.config import Config, check_level
+from bladesmith.config import Config, check_config, check_level
 from bladesmith.devices import resolve_device, with_index
 from bladesmith.engine.heldout import HeldOutCheck, Verdict
 from bladesmith.engine.inputs import (
@@ -54,7 +54,7 @@ from bladesmith.engine.trial import (
     outputs_on,
     tolerance_waived,
 )
-from bladesmith.errors import BladesmithError
+from bladesmith.errors import BladesmithError, SettingError
 from bladesmith.families import family_of
 from bladesmith.ops import libraries
 from bladesmith.passes import registry
@@ -97,7 +97,7 @@ def optimize(
     The optimized module takes the same arguments and returns the same structure as
     the model (``Config(output="padded")`` returns a detector's padded tensors).
     """
-    config = config or Config.current()
+    config = check_config(config) if config is not None else Config.current()
     device = with_index(resolve_device(device_argument(device, device_type)))
     passes = list(passes) if passes is not None else registry.create_all()
     _check_pass_names(config, passes)
@@ -141,7 +141,17 @@ def optimize(
     progress.done(overall)
     held_line = final_held.line if final_held else _unchecked(held_out, best is given)
     report = report_of(
-        model_info, context, spec, overall, doubts, saved, records, final_accuracy, held_line
+        model_info,
+        context,
+        spec,
+        overall,
+        doubts,
+        saved,
+        records,
+        final_accuracy,
+        held_line,
+        reference,
+        [each.name for each in passes if each.changes_arithmetic and each.name in best.applied],
     )
     return optimized, spec, report
 
@@ -164,7 +174,8 @@ def _reference_of(
 def _saved_timed(
     optimized: OptimizedModule, is_given: bool, given: Candidate, trial: Trial
 ) -> SavedSpeed:
-    """The saved result's speed against the model as given, reloaded in a new process."""
+    """The saved result's speed, reloaded in a new process, against the model as given
+    rebuilt in one of its own where it can be."""
     if is_given:
         return SavedSpeed(None, None, "the result is the model as given")
     with trial.progress.step("timing the saved result, reloaded in a new process"):
@@ -175,6 +186,7 @@ def _saved_timed(
             trial.context.test_args[0],
             **trial.timing,
             batch_size=trial.batch_size,
+            given_module=given.module,
         )
 
 
@@ -457,7 +469,7 @@ def _check_pass_names(config: Config, passes: Sequence[Pass]) -> None:
     known = {each.name for each in passes}
     unknown = (set(config.include) | set(config.exclude)) - known
     if unknown:
-        raise ValueError(
+        raise SettingError(
             f"Config include/exclude: no pass named {sorted(unknown)}; passes are "
             f"{', '.join(each.name for each in passes)}"
         )

@@ -133,6 +133,13 @@ class Trial:
         if not accuracy.passed and not waived:
             reason = f"outputs moved past tolerance{run.where} ({built}; not timed)"
             return record("rejected", reason, accuracy=accuracy), None, None
+        unverified = accuracy.unverified if each.changes_arithmetic else ""
+        if unverified and not (config.allow_unverified or waived):
+            reason = (
+                f"not kept: it changes the arithmetic, and {unverified}; "
+                f"Config(allow_unverified=True) keeps it unverified ({built}; not timed)"
+            )
+            return record("rejected", reason, accuracy=accuracy), None, None
         try:
             speedup = self.time_against(before, run, name)
         except Exception as error:
@@ -149,6 +156,11 @@ class Trial:
         check = "accuracy check disabled" if not accuracy.passed else "outputs within tolerance"
         if run.finished_by:
             check += f", both timed{run.where}"
+        if unverified:
+            consent = (
+                "allow_unverified" if config.allow_unverified else "disable_fp16_accuracy_check"
+            )
+            check += f", not verified on these inputs (kept as Config({consent}=True) asks)"
         kept, reason = _speed_verdict(each, speedup, config.min_speedup, check, built)
         if not kept:
             return record("rejected", reason, **fields), None, None

@@ -14,6 +14,7 @@ class CudaGraph(Pass):
     name = "cuda_graph"
     devices = ("cuda",)
     finisher = True
+    changes_arithmetic = False  # the captured kernels, replayed
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
         runner = CudaGraphRunner(candidate, context.device)

@@ -68,6 +68,12 @@ class Pass:
     # a pass that pays off only there (fp16 at batch 1, where eager launches dominate)
     # is judged by what it is worth in the end.
     finisher: ClassVar[bool] = False
+    # Whether the pass's result computes otherwise than its input (another dtype,
+    # summation order, kernel or algorithm): such a pass can only be kept on outputs that
+    # verify it, not on a model whose own answer rounding alone changes (unless
+    # Config(allow_unverified=True)). False for a pass that runs the same kernels as
+    # they are (a CUDA graph replaying them).
+    changes_arithmetic: ClassVar[bool] = True
     # A pass that rewrites the module's layers; a TorchScript module cannot be rewritten,
     # so the engine skips it there.
     rewrites_modules: ClassVar[bool] = False

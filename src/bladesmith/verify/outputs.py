@@ -26,12 +26,16 @@ class Comparison:
     ``degenerate`` says why the comparison has nothing to compare (non-finite inputs or
     reference outputs, no output, every output empty or zero, no detection): such a
     comparison does not pass unless ``allow_degenerate``, the user's consent.
+    ``unverified`` says why a comparison that passed proves nothing: the reference
+    itself moved as far under rounding noise (``engine.reference``), so the gate it
+    passed would have admitted a wrong answer too.
     """
 
     outputs: dict[str, TensorComparison | DetectionComparison] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)  # structure mismatches, by path
     degenerate: list[str] = field(default_factory=list)
     allow_degenerate: bool = False
+    unverified: str = ""
 
     @property
     def passed(self) -> bool:
@@ -95,6 +99,7 @@ class Comparison:
             "tolerance_ratio": finite_or_none(self.tolerance_ratio),
             "reasons": list(self.reasons),
             "degenerate": list(self.degenerate),
+            "unverified": self.unverified,
             "outputs": {path: output.to_dict() for path, output in self.outputs.items()},
             "sources": self.sources(),
         }
