@@ -799,7 +799,10 @@ def test_serve_refuses_bad_ports_and_names_in_one_line_before_starting(net_artif
 def test_bad_urls_and_output_paths_are_one_line_before_any_request(tmp_path, capsys):
     from bladesmith.errors import BladesmithError
 
-    for url in ("localhost:abc", "nonsense:::", "localhost", "localhost:70000", "https://h:1"):
+    for url in (
+        "localhost:abc", "nonsense:::", "localhost", "localhost:70000", "https://h:1",
+        "http://[::1", "[::1", "[:1]:8", "[::1]x:80", "a b:80", "h:\u00b2",
+    ):  # fmt: skip
         assert main(["loadtest", url]) == 2
         err = capsys.readouterr().err
         assert f"URL {url!r}: expected host:port" in err and len(err.splitlines()) == 1, err
