@@ -62,6 +62,34 @@ _STUB = "triton_python_backend_stub"
 FRONT = Path(__file__).with_name("front.py")
 
 
+# tritonserver's APIs that the front never passes on open only to a header of this name
+# that nobody sends; its shared-memory API (where the front serves it) to one that only
+# the front sends. The values are on tritonserver's command line, which every local user
+# can read: they open nothing without its sockets (the serving user's alone), and the
+# front passes on no header of a client's.
+LOCKED_HEADER = "bladesmith-locked"
+SHARED_MEMORY_HEADER = "bladesmith-shared-memory"
+_LOCKED = ("model-repository", "trace", "logging")
+
+
+def _restrictions(shared_memory_key: str, shared_memory: bool) -> list[str]:
+    """tritonserver's flags that lock the APIs the front does not serve (and shared
+    memory, to all but the front)."""
+    locked = ",".join(_LOCKED if shared_memory else (*_LOCKED, "shared-memory"))
+    nobody = secrets.token_urlsafe(24)
+    flags = [
+        f"--http-restricted-api={locked}:{LOCKED_HEADER}={nobody}",
+        f"--grpc-restricted-protocol={locked}:{LOCKED_HEADER}={nobody}",
+    ]
+    if shared_memory:
+        key = f"{SHARED_MEMORY_HEADER}={shared_memory_key}"
+        flags += [
+            f"--http-restricted-api=shared-memory:{key}",
+            f"--grpc-restricted-protocol=shared-memory:{key}",
+        ]
+    return flags
+
+
 class ServerStopError(BladesmithError):
     """tritonserver did not stop cleanly (requests may have been cut off); what was left
     of it has been killed and its shared memory removed."""
@@ -312,14 +340,14 @@ class Server:
         self._workdir = workdirs.work_folder("triton")
         folder = Path(self._workdir.name)
         backends = _backend_directory(home, folder / "backends")
+        shared_memory_key = secrets.token_urlsafe(24)
         command = [
             str(home / "bin" / "tritonserver"),
             f"--model-repository={self.repository}",
             f"--backend-directory={backends}",
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
             # No model control: nobody loads or unloads a model through the repository
-            # API, so no secret opens it (a command line is every local user's to read).
-            # HTTP and gRPC on Unix sockets in the folder (the serving user's alone),
+            # API. HTTP and gRPC on Unix sockets in the folder (the serving user's alone),
             # behind the front; the port numbers are ignored (gRPC's is in its path).
             f"--http-address=unix:{folder / 'http'}",
             "--http-port=1",
@@ -330,6 +358,7 @@ class Server:
             "--allow-metrics=true",
             "--allow-gpu-metrics=false",
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+            *_restrictions(shared_memory_key, self.shared_memory),
         ]
         front = folder / "front.json"
         front.write_text(
@@ -343,6 +372,10 @@ class Server:
                     "grpc_socket": str(folder / "grpc:1"),
                     "max_request_bytes": self.max_request_bytes,
                     "shared_memory": self.shared_memory,
+                    "shared_memory_header": (
+                        [SHARED_MEMORY_HEADER, shared_memory_key] if self.shared_memory else None
+                    ),
+                    "private_prefix": self._shm_prefix,
                 }
             )
         )
