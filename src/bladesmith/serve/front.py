@@ -93,6 +93,11 @@ GRPC_GRACE_S = 60.0
 # connection may hold one to tritonserver too).
 MAX_CONNECTIONS = 1000
 SPARE_FILES = 256
+# A connection over the limit is told so, and closed once it has sent its request (a
+# connection closed unread is reset, and the answer may be lost) or after this; at
+# most this many at a time linger so.
+BUSY_LINGER_S = 0.5
+BUSY_LINGERING = 100
 # Request bodies (HTTP) being received at once, in bytes: at least two of the largest.
 RECEIVING_BUDGET = 256 << 20
 UPSTREAM_CONNECTIONS = 64  # to tritonserver's HTTP socket
@@ -620,11 +625,29 @@ _BUSY_ANSWER = (
 
 
 class _Busy(asyncio.Protocol):
-    """A connection over the limit: told so (503) and closed at once."""
+    """A connection over the limit: told so (503) and closed, once its request is read
+    (closed unread, the client may get a reset instead of the answer) or after
+    BUSY_LINGER_S; at once where BUSY_LINGERING are already lingering."""
+
+    lingering = 0
 
     def connection_made(self, transport) -> None:
         transport.write(_BUSY_ANSWER)
-        transport.close()
+        self.counted = _Busy.lingering < BUSY_LINGERING
+        if not self.counted:
+            transport.close()
+            return
+        _Busy.lingering += 1
+        transport.write_eof()
+        self.timer = asyncio.get_running_loop().call_later(BUSY_LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the request is not read
+
+    def connection_lost(self, exc) -> None:
+        if self.counted:
+            _Busy.lingering -= 1
+            self.timer.cancel()
 
 
 class Front:
@@ -678,23 +701,35 @@ class Front:
             timeout=aiohttp.ClientTimeout(total=None),
             skip_auto_headers=("User-Agent", "Content-Type"),
         )
+        limit = self.max_connections
+
+        class Bounded(web.Server):
+            """At most ``limit`` connections: counted from their accepting (several are
+            accepted before the first is made)."""
+
+            starting = 0
+
+            def __call__(self):
+                if len(self.connections) + self.starting >= limit:
+                    return _Busy()
+                self.starting += 1
+                return super().__call__()
+
+            def connection_made(self, handler, transport) -> None:
+                self.starting -= 1
+                super().connection_made(handler, transport)
+
         # Bodies inflated here, within the limit (aiohttp's own inflating is bounded only
         # in its latest versions); no access log; a connection silent for IDLE_S closed.
-        self.http = web.Server(
+        self.http = Bounded(
             self.handle_http,
             access_log=None,
             auto_decompress=False,
             keepalive_timeout=IDLE_S,
             lingering_time=1.0,
         )
-
-        def connection():
-            if len(self.http.connections) >= self.max_connections:
-                return _Busy()
-            return self.http()
-
         self.http_listener = await asyncio.get_running_loop().create_server(
-            connection, self.config["host"], self.config["http_port"], reuse_address=True
+            self.http, self.config["host"], self.config["http_port"], reuse_address=True
         )
 
     async def stop_http(self) -> None:
@@ -1061,7 +1096,7 @@ async def _main(config: dict) -> None:
     grpc_server = await front.serve_grpc()
     print(
         f"bladesmith serve: request front on {config['host']}: http {config['http_port']}, "
-        f"grpc {config['grpc_port']}",
+        f"grpc {config['grpc_port']} (at most {front.max_connections} connections each)",
         file=sys.stderr,
         flush=True,
     )
