@@ -12,8 +12,10 @@ LD_LIBRARY_PATH. The interpreter's ``bin`` goes first on PATH (the stub runs wit
 virtual environment's packages).
 
 tritonserver listens on Unix sockets in the server's own folder (mode 0700), and the
-request front (``front``) on the HTTP and gRPC ports: it checks each request before
-Triton sees it. The regions the Python backend makes in /dev/shm are made the serving
+request front (``front``) on the HTTP and gRPC ports: it forwards only the routes it
+knows, each request checked before Triton sees it. tritonserver locks the APIs the
+front does not serve (``_restrictions``), so that a way around the front would still
+meet a locked door. The regions the Python backend makes in /dev/shm are made the serving
 user's alone (mode 0600) as soon as they are seen: the backend sets 0644 itself, so a
 local user quick enough to open one in the moment between keeps it (a limit of Triton
 2.51 that the security page states). A watch thread ends the server, saying why, when a
