@@ -252,7 +252,7 @@ def _attacks(server, seed: int, count: int) -> list[tuple[str, str, object]]:
     def good():
         rows = int(rng.integers(1, MAX_BATCH + 1))
         x = rng.standard_normal((rows, 3, 8, 8), dtype=np.float32)
-        over = pick(["json", "binary", "grpc"])
+        over, nested = pick(["json", "binary", "grpc"]), bool(rng.integers(2))
         expected = expected_scores(x)  # here: tiny_net() seeds torch's global generator
 
         def send():
@@ -268,8 +268,9 @@ def _attacks(server, seed: int, count: int) -> list[tuple[str, str, object]]:
                 scores = np.frombuffer(answer.raw_output_contents[0], np.float32)
             else:
                 header = {"name": "input_0", "shape": list(x.shape), "datatype": "FP32"}
-                if over == "json":
-                    body, extra = _body({**header, "data": x.ravel().tolist()}), {}
+                if over == "json":  # flat or nested as the shape
+                    data = x.tolist() if nested else x.ravel().tolist()
+                    body, extra = _body({**header, "data": data}), {}
                 else:
                     part = _body({**header, "parameters": {"binary_data_size": x.nbytes}})
                     body = part + x.tobytes()
