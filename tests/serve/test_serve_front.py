@@ -438,3 +438,21 @@ def test_shared_memory_is_refused_to_a_peer_that_is_no_connection_of_this_machin
     assert front.shared_memory_refusal(("192.0.2.1", 40000), server.http_port) == (
         "shared memory is served to the serving user's own connections only"
     )
+
+
+def test_a_client_that_waits_for_100_continue_is_told_to_send_or_refused_unsent(server):
+    # curl asks so before a body over 1 MB and waits a second for the answer.
+    row = json.dumps({"inputs": [ROW]}).encode()
+    for length, expected in ((len(row), b"HTTP/1.1 100 Continue"), (10**9, b"HTTP/1.1 400")):
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=5) as connection:
+            connection.sendall(
+                b"POST /v2/models/net/infer HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % length
+            )
+            assert connection.recv(65536).startswith(expected)
+            if length == len(row):
+                connection.sendall(row)
+                answer = b""
+                while chunk := connection.recv(65536):
+                    answer += chunk
+                assert answer.startswith(b"HTTP/1.1 200"), answer

@@ -821,6 +821,8 @@ class Front:
             raise Refused("the server is receiving all it takes at once; send again later", 429)
         self.receiving += reserved
         try:
+            if limit and request.headers.get("Expect", "").lower() == "100-continue":
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits
             body = await _read(request, limit)
             body = _decompressed(body, request.headers.get("Content-Encoding", ""), limit)
             headers = {}
