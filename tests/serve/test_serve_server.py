@@ -707,31 +707,40 @@ def test_a_stop_whose_work_folder_was_removed_still_ends_tritonserver(net_artifa
     assert all(_port_free(port) for port in (http, grpc, metrics))
 
 
-def test_tritonserver_shows_no_secret_to_local_users_and_refuses_repository_calls(
+def test_the_locks_tritonserver_shows_local_users_open_nothing_through_the_front(
     net_artifacts,
 ):
-    # /proc/PID/cmdline (ps) is every local user's to read: a header value that opens an
-    # API (--http-restricted-api, --grpc-restricted-protocol) would be theirs too.
+    # /proc/PID/cmdline (ps) is every local user's to read: the header values of
+    # --http-restricted-api and --grpc-restricted-protocol are theirs too. They open
+    # nothing: tritonserver's sockets are the serving user's alone, and the front passes
+    # on no header or metadata of a client's, nor the routes they lock.
     import tritonclient.grpc as triton_grpc
 
     http, grpc, metrics = free_ports(3)
     with bladesmith.serve(
         net_artifacts[".pt"], http_port=http, grpc_port=grpc, metrics_port=metrics, block=False
     ) as server:
-        command = Path(f"/proc/{server._process.pid}/cmdline").read_bytes().decode()
-        assert "restricted" not in command and "model-control-mode" not in command
-        # Nobody loads or unloads a model: over HTTP, over gRPC, with any header.
+        command = Path(f"/proc/{server._process.pid}/cmdline").read_bytes().decode().split("\0")
+        assert "model-control-mode" not in " ".join(command)
+        locks = [flag.split("=", 1)[1] for flag in command if "restricted" in flag]
+        # Shared memory is off: locked with the rest (no header is given to the front).
+        assert len(locks) == 2 and all(
+            lock.startswith("model-repository,trace,logging,shared-memory:") for lock in locks
+        ), locks
+        header, value = locks[0].split(":", 1)[1].split("=", 1)
+        # Nobody loads or unloads a model: over HTTP, over gRPC, with the header.
         for call in ("unload", "load"):
             refused = urllib.request.Request(
                 f"http://127.0.0.1:{http}/v2/repository/models/net/{call}",
                 data=b"{}",
-                headers={"bladesmith-admin": "guess"},
+                headers={header: value},
             )
-            with pytest.raises(urllib.error.HTTPError):
+            with pytest.raises(urllib.error.HTTPError) as error:
                 urllib.request.urlopen(refused, timeout=10)
+            assert error.value.code == 404
         client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc}")
-        with pytest.raises(InferenceServerException, match="not allowed"):
-            client.unload_model("net")
+        with pytest.raises(InferenceServerException, match="UNIMPLEMENTED"):
+            client.unload_model("net", headers={f"triton-grpc-protocol-{header}": value})
         assert client.is_model_ready("net")
         # Shared memory is off unless asked for (--shared-memory), over HTTP and gRPC.
         over_http = triton.InferenceServerClient(server.url)
@@ -799,7 +808,10 @@ def test_serve_refuses_bad_ports_and_names_in_one_line_before_starting(net_artif
 def test_bad_urls_and_output_paths_are_one_line_before_any_request(tmp_path, capsys):
     from bladesmith.errors import BladesmithError
 
-    for url in ("localhost:abc", "nonsense:::", "localhost", "localhost:70000", "https://h:1"):
+    for url in (
+        "localhost:abc", "nonsense:::", "localhost", "localhost:70000", "https://h:1",
+        "http://[::1", "[::1", "[:1]:8", "[::1]x:80", "a b:80", "h:\u00b2",
+    ):  # fmt: skip
         assert main(["loadtest", url]) == 2
         err = capsys.readouterr().err
         assert f"URL {url!r}: expected host:port" in err and len(err.splitlines()) == 1, err

@@ -26,11 +26,13 @@ def add_parser(subparsers) -> None:
             "on Ctrl-C or SIGTERM: answers the requests that had arrived (computed or "
             "queued), refuses later ones (HTTP 503, gRPC UNAVAILABLE: send them again), "
             "then ends Triton and every process it started; a second Ctrl-C or SIGTERM "
-            "ends them at once (exit 1 then, or when the stop was not clean). Each request is "
-            "checked before Triton sees it: one that is not for the model (names, dtypes, "
-            "shapes, a batch over --max-batch, a body that does not hold what it declares) "
-            "is refused with HTTP 400 / gRPC INVALID_ARGUMENT. A model instance that dies or "
-            "is stopped ends the server, naming it (exit 1)."
+            "ends them at once (exit 1 then, or when the stop was not clean). Only health, "
+            "metadata, statistics and inference of the served model are served (see "
+            "docs/serving.md), and each request is checked before Triton sees it: one that "
+            "is not for the model (names, dtypes, shapes, a batch over --max-batch, a body "
+            "that does not hold what it declares) is refused with HTTP 400 / gRPC "
+            "INVALID_ARGUMENT. A model instance that dies or is stopped ends the server, "
+            "naming it (exit 1)."
         ),
     )
     serve.add_argument("artifact", metavar="ARTIFACT", help=".pt2, .pt or .onnx artifact")

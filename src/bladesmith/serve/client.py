@@ -13,7 +13,9 @@ concurrent requests.
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
 import secrets
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +25,9 @@ import numpy as np
 from bladesmith.errors import BladesmithError
 from bladesmith.serve.answers import cut_padding, is_detector
 from bladesmith.serve.signature import NUMPY_DTYPES
+
+# A host name or IPv4 address (an IPv6 address comes in brackets).
+_HOST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}")
 
 
 class Client:
@@ -266,26 +271,30 @@ class ServerStatistics:
 
 def parse_url(url: str) -> tuple[bool, str]:
     """``host:port`` (or ``http://host:port``) -> (False, "host:port"); ``grpc://host:port``
-    -> (True, "host:port"); anything else: one line naming the URL."""
+    -> (True, "host:port"); anything else: one line naming the URL. The host is a name or
+    IPv4 address, or an IPv6 address in brackets."""
     text = str(url)
     grpc = text.startswith("grpc://")
     address = text.removeprefix("grpc://").removeprefix("http://")
     host, _, port = address.rpartition(":")
-    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    valid = (
-        "://" not in address
-        and "/" not in address
-        and bool(bare)
-        and (":" not in bare or host.startswith("["))  # IPv6 in brackets
-        and port.isdigit()
-        and 1 <= int(port) <= 65535
-    )
-    if not valid:
+    if host.startswith("[") and host.endswith("]"):
+        valid = _is_ipv6(host[1:-1])
+    else:
+        valid = bool(_HOST_NAME.fullmatch(host))
+    if not (valid and re.fullmatch(r"[0-9]{1,5}", port) and 1 <= int(port) <= 65535):
         raise BladesmithError(
             f"URL {text!r}: expected host:port for HTTP or grpc://host:port for gRPC, "
-            "e.g. localhost:8000 or grpc://localhost:8001"
+            "e.g. localhost:8000, grpc://localhost:8001 or [::1]:8000"
         )
     return grpc, address
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def client(url: str, model: str, *, timeout: float = 120.0) -> Client:

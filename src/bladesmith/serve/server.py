@@ -12,8 +12,10 @@ LD_LIBRARY_PATH. The interpreter's ``bin`` goes first on PATH (the stub runs wit
 virtual environment's packages).
 
 tritonserver listens on Unix sockets in the server's own folder (mode 0700), and the
-request front (``front``) on the HTTP and gRPC ports: it checks each request before
-Triton sees it. The regions the Python backend makes in /dev/shm are made the serving
+request front (``front``) on the HTTP and gRPC ports: it forwards only the routes it
+knows, each request checked before Triton sees it. tritonserver locks the APIs the
+front does not serve (``_restrictions``), so that a way around the front would still
+meet a locked door. The regions the Python backend makes in /dev/shm are made the serving
 user's alone (mode 0600) as soon as they are seen: the backend sets 0644 itself, so a
 local user quick enough to open one in the moment between keeps it (a limit of Triton
 2.51 that the security page states). A watch thread ends the server, saying why, when a
@@ -60,6 +62,34 @@ WATCH_S = 0.5  # how often the watch thread looks at the model instances
 STOPPED_LOOKS = 4  # a stub seen stopped (SIGSTOP) this many looks in a row is stuck
 _STUB = "triton_python_backend_stub"
 FRONT = Path(__file__).with_name("front.py")
+
+
+# tritonserver's APIs that the front never passes on open only to a header of this name
+# that nobody sends; its shared-memory API (where the front serves it) to one that only
+# the front sends. The values are on tritonserver's command line, which every local user
+# can read: they open nothing without its sockets (the serving user's alone), and the
+# front passes on no header of a client's.
+LOCKED_HEADER = "bladesmith-locked"
+SHARED_MEMORY_HEADER = "bladesmith-shared-memory"
+_LOCKED = ("model-repository", "trace", "logging")
+
+
+def _restrictions(shared_memory_key: str, shared_memory: bool) -> list[str]:
+    """tritonserver's flags that lock the APIs the front does not serve (and shared
+    memory, to all but the front)."""
+    locked = ",".join(_LOCKED if shared_memory else (*_LOCKED, "shared-memory"))
+    nobody = secrets.token_urlsafe(24)
+    flags = [
+        f"--http-restricted-api={locked}:{LOCKED_HEADER}={nobody}",
+        f"--grpc-restricted-protocol={locked}:{LOCKED_HEADER}={nobody}",
+    ]
+    if shared_memory:
+        key = f"{SHARED_MEMORY_HEADER}={shared_memory_key}"
+        flags += [
+            f"--http-restricted-api=shared-memory:{key}",
+            f"--grpc-restricted-protocol=shared-memory:{key}",
+        ]
+    return flags
 
 
 class ServerStopError(BladesmithError):
@@ -312,14 +342,14 @@ class Server:
         self._workdir = workdirs.work_folder("triton")
         folder = Path(self._workdir.name)
         backends = _backend_directory(home, folder / "backends")
+        shared_memory_key = secrets.token_urlsafe(24)
         command = [
             str(home / "bin" / "tritonserver"),
             f"--model-repository={self.repository}",
             f"--backend-directory={backends}",
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
             # No model control: nobody loads or unloads a model through the repository
-            # API, so no secret opens it (a command line is every local user's to read).
-            # HTTP and gRPC on Unix sockets in the folder (the serving user's alone),
+            # API. HTTP and gRPC on Unix sockets in the folder (the serving user's alone),
             # behind the front; the port numbers are ignored (gRPC's is in its path).
             f"--http-address=unix:{folder / 'http'}",
             "--http-port=1",
@@ -330,6 +360,7 @@ class Server:
             "--allow-metrics=true",
             "--allow-gpu-metrics=false",
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+            *_restrictions(shared_memory_key, self.shared_memory),
         ]
         front = folder / "front.json"
         front.write_text(
@@ -343,6 +374,10 @@ class Server:
                     "grpc_socket": str(folder / "grpc:1"),
                     "max_request_bytes": self.max_request_bytes,
                     "shared_memory": self.shared_memory,
+                    "shared_memory_header": (
+                        [SHARED_MEMORY_HEADER, shared_memory_key] if self.shared_memory else None
+                    ),
+                    "private_prefix": self._shm_prefix,
                 }
             )
         )
