@@ -77,6 +77,7 @@ def started_serve(artifact: Path, log: Path, *options: str):
     command = [
         sys.executable, "-m", "bladesmith", "serve", str(artifact),
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+        *(["--trust"] if artifact.suffix == ".pt2" else []),  # compiled code runs
         *options,
     ]  # fmt: skip
     with open(log, "wb") as output:

@@ -63,13 +63,15 @@ def port(text: str) -> int:
 
 
 def add_trust_option(parser: argparse.ArgumentParser) -> None:
-    """``--trust``: read a .pt2 model file that holds more than tensors (pickled objects,
-    compiled code), which torch.export.load runs (docs/security.md)."""
+    """``--trust``: load a file whose loading runs code it brings (native libraries,
+    compiled code, TorchScript outside the operator allowlist, pickles), saying what
+    runs on stderr first (``bladesmith.trust``, docs/security.md)."""
     parser.add_argument(
         "--trust",
         action="store_true",
-        help="read a .pt2 MODEL even where it holds pickled objects or compiled code, "
-        "which run as it loads: only for files from someone you trust",
+        help="load the file even where that runs code its maker wrote (its operator "
+        "libraries, compiled .pt2 code, TorchScript outside the operator allowlist, "
+        "pickles): only for files from someone you trust (docs/security.md)",
     )
 
 

@@ -274,6 +274,7 @@ def run_triton(args: argparse.Namespace) -> int:
             args.instances,
             args.device,
             image_dtype=args.image_dtype,
+            trust=args.trust,
         ),
         libraries=tuple(args.load_library),
     )

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bladesmith.artifact import OptimizedModule, load, write
+from bladesmith.trust import QUIET
 
 
 def try_formats(
@@ -22,7 +23,7 @@ def try_formats(
             path = Path(directory) / f"model{suffix}"
             try:
                 write(optimized, path)
-                loaded = load(path)
+                loaded = load(path, trust=QUIET)
                 outputs = [loaded(*args) for args in test_args]
             except Exception as error:
                 text = f"{type(error).__name__}: {error}".splitlines()[0][:300]

@@ -33,8 +33,9 @@ ROUNDS_PER_PROCESS = 5
 # Each request is a count of calls: the reply is their (wall ms, CPU ms) samples.
 _CHILD = """
 import sys, torch, bladesmith
+from bladesmith.trust import QUIET
 from bladesmith import bench
-module = bladesmith.load(sys.argv[1])
+module = bladesmith.load(sys.argv[1], trust=QUIET)
 args = torch.load(sys.argv[2], weights_only=False)
 with torch.no_grad():
     for calls in requests():

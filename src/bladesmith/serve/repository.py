@@ -70,6 +70,7 @@ class Deployment:
     device: str | None = None  # cpu, cuda, cuda:0,1; None: the artifact's
     torch_threads: int = 0  # per instance (Python backend); 0: torch's default
     image_dtype: str = "float32"  # a detector's images: float32, or uint8 (x / 255 on the device)
+    trust: bool = False  # bladesmith.load's: run the code the artifact brings
 
 
 def default_backend(artifact: Path) -> str:
@@ -167,7 +168,7 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
     for library in libraries:
         torch.ops.load_library(str(library))
     try:
-        loaded = bladesmith.load(artifact)
+        loaded = bladesmith.load(artifact, trust=deployment.trust)
     except NotAnArtifactError:
         plain = _PLAIN_ONNX.format(name=artifact.name) if artifact.suffix == ".onnx" else ""
         raise NotAnArtifactError(_NOT_AN_ARTIFACT.format(name=artifact.name) + plain) from None
@@ -198,6 +199,7 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
         "torch_threads": str(deployment.torch_threads),
         "image_dtype": deployment.image_dtype,
         "compute_dtype": compute_dtype,
+        "trust": "true" if deployment.trust else "false",
         # What a client's test rows of an integer input draw from (loadtest).
         "input_ranges": json.dumps(
             {spec.name: spec.values for spec in signature.inputs if spec.values is not None}
@@ -277,7 +279,7 @@ def _torchscript_model(artifact, version_dir, deployment, libraries):
     for library in given:
         torch.ops.load_library(str(library))
     # Builds and loads bladesmith's operators, and the libraries saved beside the artifact.
-    loaded = bladesmith.load(artifact)
+    loaded = bladesmith.load(artifact, trust=deployment.trust)
     operators = custom_operators(artifact)
     preload = [Path(ops.library_path())] if any(_is_bladesmiths(op) for op in operators) else []
     preload += given
