@@ -18,6 +18,7 @@ from bladesmith.cli.args import (
     add_trust_option,
     at_least,
     batch_sizes,
+    check_images_fit,
     input_size,
     output_file,
     pass_name,
@@ -242,6 +243,7 @@ def _model_and_inputs(args: argparse.Namespace):
     them (a list for the built-in detector, one batch tensor for a model file)."""
     from bladesmith.images import sample_images
 
+    check_images_fit(args.batch, args.input_size)
     model = model_or_file(args.model, args.input_size, args.weights)
     batches = [sample_images(size, args.input_size) for size in args.batch]
     return model, [(images,) if isinstance(model, str) else (list(images),) for images in batches]
