@@ -215,3 +215,18 @@ def test_metadata_naming_an_unregistered_family_is_refused(tmp_path):
     with pytest.raises(BladesmithError) as refused:
         bladesmith.load(path)
     assert "\n" not in str(refused.value) and "no model family named 'os'" in str(refused.value)
+
+
+def test_trust_on_the_command_line_says_what_runs_before_it_runs(tmp_path, target):
+    path = _scripted(WritesAFile(str(target)), tmp_path / "writes.pt")
+    command = ["export", "onnx", str(path), str(tmp_path / "o.onnx"), "--input-size", "8x8"]
+    result = subprocess.run(
+        [sys.executable, "-m", "bladesmith", *command, "--trust"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    first = result.stderr.splitlines()[0]
+    assert first.startswith("bladesmith: trusting") and str(path) in first, result.stderr
+    assert "aten::from_file" in first
+    assert "bladesmith.load" not in result.stderr

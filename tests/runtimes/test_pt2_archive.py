@@ -222,3 +222,17 @@ def test_load_never_unpickles_a_package(crafted, tmp_path):
         bladesmith.load(package)
     assert "\n" not in str(refused.value) and str(package) in str(refused.value)
     assert not marker.exists()
+
+
+def test_a_package_given_as_a_model_says_how_to_run_it(crafted, tmp_path):
+    """An AOTInductor package is no program to optimize, trusted or not: the line says
+    what runs it, on the command line first."""
+    path, _ = crafted
+    metadata = json.dumps({"bladesmith": "{}"})
+    package = _rewritten(
+        path, tmp_path / "package.pt2", {"data/aotinductor/model/m_metadata.json": metadata}
+    )
+    for trust in (False, True):
+        with pytest.raises(BladesmithError) as refused:
+            load_model_file(package, trust=trust)
+        assert "bladesmith bench or serve" in str(refused.value)
