@@ -1,8 +1,10 @@
 """The operators a model file's graph may call without ``--trust``: an allowlist of what
 computes, checked on the graph without running it (docs/security.md, "Trust model").
 
-An operator is allowed when it is one of torch's (``aten``, ``prim``), torchvision's or
-bladesmith's own, and every argument of its schema is of a computing type: tensors,
+An operator is allowed when it is the user's own (registered in this process outside
+torch's namespaces: a library loaded with ``--load-library``, or one an artifact brings,
+loaded under ``--trust``), or one of torch's (``aten``, ``prim``), torchvision's or
+bladesmith's own and every argument of its schema is of a computing type: tensors,
 numbers, devices, dtypes and containers of them, and strings only where the argument
 picks a mode (``mode``, ``padding``, ``reduce``...) or is a TorchScript string method's.
 That keeps out, without naming them, every operator that reaches outside the process's
@@ -18,6 +20,8 @@ import operator
 import re
 
 import torch
+
+from bladesmith.ops.libraries import is_user_operator
 
 _NAMESPACES = frozenset({"aten", "prim", "torchvision", "bladesmith"})
 
@@ -141,8 +145,12 @@ _PYTHON_CALLS = frozenset(
 
 
 def refused_operator(schema: torch._C.FunctionSchema) -> str | None:
-    """Why the operator of ``schema`` is outside the allowlist, or None."""
+    """Why the operator of ``schema`` is outside the allowlist, or None. The user's own
+    operators (registered in this process, by a library the user loaded or code the user
+    ran, in a namespace that is not torch's) are the user's code, not the file's."""
     namespace = schema.name.partition("::")[0]
+    if namespace not in _NAMESPACES and is_user_operator(schema.name):
+        return None
     if namespace not in _NAMESPACES:
         return f"{schema.name} (not torch's, torchvision's or bladesmith's operator)"
     for argument in schema.arguments:
