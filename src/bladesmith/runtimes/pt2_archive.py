@@ -24,8 +24,10 @@ import torch
 _MODELS = "models/"
 _AOTI = "data/aotinductor/"
 _SAMPLE_INPUTS = "data/sample_inputs/{}.pt"  # a pickle: never read here
-_WEIGHTS = ("data/weights/{}_weights_config.json", "data/weights/")
-_CONSTANTS = ("data/constants/{}_constants_config.json", "data/constants/")
+# (payload config, the folder of its payloads, the raw tensors' prefix there): a
+# constant of another prefix is an object torch unpickles.
+_WEIGHTS = ("data/weights/{}_weights_config.json", "data/weights/", "weight_")
+_CONSTANTS = ("data/constants/{}_constants_config.json", "data/constants/", "tensor_")
 # What every archive torch.export.save writes holds besides its programs.
 _HOUSEKEEPING = frozenset(
     {"archive_format", "archive_version", "byteorder", ".data/version", ".data/serialization_id"}
@@ -122,7 +124,7 @@ def _entries_of(reader, names: set[str], model: str) -> set[str]:
     its payload configs and the raw tensors they name; ``Untrusted`` for a pickled
     payload or a payload name that is not a plain word."""
     entries = {f"{_MODELS}{model}.json", _SAMPLE_INPUTS.format(model)}
-    for config_format, folder in (_WEIGHTS, _CONSTANTS):
+    for config_format, folder, prefix in (_WEIGHTS, _CONSTANTS):
         config_name = config_format.format(model)
         if config_name not in names:
             raise Untrusted(f"{config_name!r} is missing (an older or crafted archive)")
@@ -132,7 +134,7 @@ def _entries_of(reader, names: set[str], model: str) -> set[str]:
             file = payload.get("path_name")
             if not isinstance(file, str) or not _NAME.fullmatch(file):
                 raise Untrusted(f"{config_name}: {fqn}'s payload {file!r} is not a plain name")
-            if payload.get("use_pickle") or not file.startswith(("weight_", "tensor_constant")):
+            if payload.get("use_pickle") or not file.startswith(prefix):
                 raise Untrusted(f"{folder}{file} ({fqn}): a pickled object, not raw tensor bytes")
             entries.add(folder + file)
     return entries
