@@ -37,6 +37,7 @@ from bladesmith.ops import libraries as operator_libraries
 from bladesmith.ops.namespaces import registered_from_python_only
 from bladesmith.serve.signature import NUMPY_DTYPES, TRITON_DTYPES, Signature, TensorSpec
 from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
+from bladesmith.trust import require
 
 BACKENDS = ("python", "pytorch_libtorch", "onnxruntime")
 # The files each backend runs: a wrong pair would write a repository Triton cannot load.
@@ -165,6 +166,7 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
     from bladesmith.serve.signature import signature_of
 
     libraries = [_library(library) for library in libraries]
+    _instances_trusted(artifact, deployment, libraries)
     for library in libraries:
         torch.ops.load_library(str(library))
     try:
@@ -231,6 +233,17 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
     }
 
 
+def _instances_trusted(artifact: Path, deployment: Deployment, given: list[Path]) -> None:
+    """Refuse, in one line before anything is written, an artifact whose own operator
+    libraries the server would load (each model instance, or tritonserver) without
+    ``trust``; where this process has loaded them already, ``bladesmith.load`` would not
+    ask. Libraries given with --load-library are the user's own."""
+    folder = operator_libraries.stored(artifact)
+    if folder is not None and not given:
+        what = f"the native libraries in {folder.name}/ (in the server's processes)"
+        require(artifact, what, deployment.trust, "serve")
+
+
 def _write_text(path: Path, text: str) -> None:
     write_atomically(path, lambda temporary: temporary.write_text(text))
 
@@ -276,6 +289,7 @@ def _torchscript_model(artifact, version_dir, deployment, libraries):
     from bladesmith.serve.signature import signature_of
 
     given = [_library(library) for library in libraries]
+    _instances_trusted(artifact, deployment, given)
     for library in given:
         torch.ops.load_library(str(library))
     # Builds and loads bladesmith's operators, and the libraries saved beside the artifact.
