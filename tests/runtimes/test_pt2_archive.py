@@ -132,6 +132,18 @@ def test_a_plain_program_loads_without_trust(tmp_path):
     assert load_model_file(path)(torch.rand(1, 3)).shape == (1, 2)
 
 
+def test_a_program_with_dynamic_shapes_loads_without_trust(tmp_path):
+    """Its shape expressions (sympy's srepr: "Mul(Integer(2), Symbol('s39', ...))") are
+    arithmetic: read as torch reads them."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(0, 1)).eval()
+    batch, height = torch.export.Dim("batch", max=64), torch.export.Dim("height", max=32)
+    dims = ({0: batch, 2: 2 * height},)
+    program = torch.export.export(model, (torch.rand(2, 3, 8, 8),), dynamic_shapes=dims)
+    torch.export.save(program, str(tmp_path / "dynamic.pt2"))
+    x = torch.rand(3, 3, 12, 8)
+    torch.testing.assert_close(load_model_file(tmp_path / "dynamic.pt2")(x), model(x))
+
+
 def test_its_sample_inputs_are_never_unpickled(tmp_path):
     """torch's reader unpickles the sample inputs (weights_only=False when the safe
     unpickler refuses them); the pickle-free reader never reads them."""
@@ -170,12 +182,20 @@ def test_the_models_trick_is_live_under_trust(tmp_path):
     assert marker.exists()
 
 
-def test_a_shape_expression_that_is_python_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "__import__('pathlib').Path({marker!r}).touch()",
+        "eval(chr(95) + chr(95))",  # no quotes: a name outside sympy's and torch's
+        "Symbol('s1').__class__",
+    ],
+)
+def test_a_shape_expression_that_is_python_is_refused(expression, tmp_path):
     """torch's reader hands a program's shape expressions to sympy.sympify (eval)."""
     program = _program(tmp_path / "program.pt2")
     model = _config(program, "models/model.json")
     marker = tmp_path / "marker"
-    node_meta = {"expr_str": f"__import__('pathlib').Path({str(marker)!r}).touch()", "hint": None}
+    node_meta = {"expr_str": expression.format(marker=str(marker)), "hint": None}
     model["graph_module"]["graph"]["sym_int_values"] = {"s9": {"as_expr": node_meta}}
     payload = {"models/model.json": json.dumps(model).encode()}
     path = _rewritten(program, tmp_path / "expr.pt2", payload)

@@ -13,6 +13,7 @@ package without torch's Python reader at all.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import zipfile
@@ -35,14 +36,27 @@ _HOUSEKEEPING = frozenset(
 # A program's or a payload's name: a plain word (no folder, no NUL, no absolute path).
 _NAME = re.compile(r"[A-Za-z0-9_]+")
 _MODEL_FILE = re.compile(r"models/([A-Za-z0-9_]+)\.json")
-# A shape expression (sympy.sympify's input): numbers, operators, the program's
-# symbols and sympy's and torch's shape functions; nothing else reaches eval.
+# A shape expression (sympy.sympify's input, written by sympy's srepr:
+# "Mul(Integer(2), Symbol('s39', positive=True, integer=True))"): numbers, operators,
+# sympy's and torch's shape classes, their assumptions, the program's symbols (quoted or
+# not) and quoted numbers; nothing else reaches eval.
 _EXPRESSION_CHARACTERS = re.compile(r"[A-Za-z0-9_ +\-*/%(),.<>=!&|~]*")
+_QUOTED = re.compile(r"'([^'\\]*)'|\"([^\"\\]*)\"")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SYMBOL = re.compile(r"[a-z]+[0-9]+")
+_NUMBER = re.compile(r"[-+]?[0-9.]+(?:e[-+]?[0-9]+)?")
 _SYMPY_NAMES = frozenset(
-    {"Max", "Min", "Abs", "Eq", "Ne", "Ge", "Gt", "Le", "Lt", "And", "Or", "Not", "True",
-     "False", "oo", "Integer", "Rational", "Mod", "floor", "ceiling", "Piecewise", "ITE"}
+    {"Symbol", "Integer", "Rational", "Float", "Add", "Mul", "Pow", "Max", "Min", "Abs",
+     "Mod", "Eq", "Ne", "Lt", "Le", "Gt", "Ge", "StrictLessThan", "LessThan",
+     "StrictGreaterThan", "GreaterThan", "Equality", "Unequality", "And", "Or", "Not",
+     "BooleanTrue", "BooleanFalse", "true", "false", "True", "False", "oo", "zoo", "nan",
+     "Infinity", "NegativeInfinity", "One", "Zero", "NegativeOne", "Half", "floor",
+     "ceiling", "Piecewise", "ExprCondPair", "ITE", "precision",
+     # assumptions, as srepr writes them
+     "positive", "negative", "nonnegative", "nonpositive", "integer", "real", "finite",
+     "infinite", "nonzero", "zero", "even", "odd", "rational", "commutative",
+     "extended_real", "extended_positive", "extended_negative", "extended_nonnegative",
+     "extended_nonpositive", "extended_nonzero"}
 )  # fmt: skip
 
 
@@ -154,12 +168,28 @@ def _check_expressions(value) -> None:
 
 
 def _is_shape_arithmetic(text) -> bool:
+    if not isinstance(text, str):
+        return False
+    for match in _QUOTED.finditer(text):
+        inner = match.group(1) if match.group(1) is not None else match.group(2)
+        if not (_SYMBOL.fullmatch(inner) or _NUMBER.fullmatch(inner)):
+            return False
+    bare = _QUOTED.sub("0", text)  # no quote is left: the characters allowed hold none
+    if not _EXPRESSION_CHARACTERS.fullmatch(bare):
+        return False
+    known = _SYMPY_NAMES | _shape_functions()
+    return all(name in known or _SYMBOL.fullmatch(name) for name in _IDENTIFIER.findall(bare))
+
+
+@functools.cache
+def _shape_functions() -> frozenset[str]:
+    """torch's sympy functions (``FloorDiv``, ``CeilToInt``...), which its
+    deserializer gives sympify by name."""
+    import sympy
     import torch.utils._sympy.functions as shape_functions
 
-    if not isinstance(text, str) or not _EXPRESSION_CHARACTERS.fullmatch(text):
-        return False
-    known = _SYMPY_NAMES | set(vars(shape_functions))
-    return all(
-        name in known or _SYMBOL.fullmatch(name) and not name.startswith("__")
-        for name in _IDENTIFIER.findall(text)
+    return frozenset(
+        name
+        for name, value in vars(shape_functions).items()
+        if isinstance(value, type) and issubclass(value, sympy.Basic)
     )
