@@ -26,7 +26,7 @@ from bladesmith.models import build_retinanet
 _CHILDREN = {
     "bladesmith.load": """
         import bladesmith, torch
-        m = bladesmith.load(PATH)
+        m = bladesmith.load(PATH, trust=True)  # the probe's own package
         print("loaded", type(m).__name__)
         out = m(*ARGS())
         torch.cuda.synchronize() if torch.cuda.is_available() else None

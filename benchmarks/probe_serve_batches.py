@@ -54,7 +54,7 @@ def main() -> None:
     print(f"optimized: kept {', '.join(spec.passes)}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         saved = bladesmith.save(optimized, Path(folder) / "rn32.pt")
-        runner = BucketRunner(bladesmith.load(saved))
+        runner = BucketRunner(bladesmith.load(saved, trust=True))  # saved just now
     report("optimized .pt, BucketRunner", lambda batch: runner._run_rows([batch]), rows)
 
 

@@ -27,9 +27,9 @@ import bladesmith
 from bladesmith.serve.signature import BucketRunner, _stage, _to_numpy, random_rows
 
 
-def make_runner(artifact: str, image_dtype: str):
+def make_runner(artifact: str, image_dtype: str, trust: bool = False):
     bladesmith.ops.load_library()
-    module = bladesmith.load(artifact)
+    module = bladesmith.load(artifact, trust=trust)
     return BucketRunner(module, image_dtype=image_dtype)
 
 
@@ -76,8 +76,8 @@ def as_served(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float().div_(255) if tensor.dtype == torch.uint8 else tensor
 
 
-def worker(artifact, image_dtype, rows, seconds, barrier, results):
-    runner = make_runner(artifact, image_dtype)
+def worker(artifact, image_dtype, trust, rows, seconds, barrier, results):
+    runner = make_runner(artifact, image_dtype, trust)
     requests = requests_of(runner, rows)
     for _ in range(3):
         runner.answer(requests)
@@ -92,12 +92,13 @@ def worker(artifact, image_dtype, rows, seconds, barrier, results):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", required=True)
+    parser.add_argument("--trust", action="store_true", help="as bladesmith.load's")
     parser.add_argument("--image-dtype", default="uint8")
     parser.add_argument("--rows", type=int, default=8, help="one-row requests per execution")
     parser.add_argument("--processes", default="1,2,4")
     parser.add_argument("--seconds", type=float, default=8.0)
     args = parser.parse_args()
-    runner = make_runner(args.artifact, args.image_dtype)
+    runner = make_runner(args.artifact, args.image_dtype, args.trust)
     for rows in sorted({1, args.rows, runner.signature.bucket}):
         steps = breakdown(runner, rows)
         said = ", ".join(f"{name} {ms:.2f}" for name, ms in steps.items())
@@ -109,7 +110,15 @@ def main() -> None:
         workers = [
             context.Process(
                 target=worker,
-                args=(args.artifact, args.image_dtype, args.rows, args.seconds, barrier, results),
+                args=(
+                    args.artifact,
+                    args.image_dtype,
+                    args.trust,
+                    args.rows,
+                    args.seconds,
+                    barrier,
+                    results,
+                ),
             )
             for _ in range(count)
         ]

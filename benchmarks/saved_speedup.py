@@ -29,7 +29,7 @@ import sys, torch, bladesmith
 from bladesmith import bench
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from saved_speedup import build, fingerprint
-loaded = bladesmith.load(sys.argv[1])
+loaded = bladesmith.load(sys.argv[1], trust=True)  # saved by this script
 job = torch.load(sys.argv[2], weights_only=False)
 _, model, _ = build(job["name"])
 assert fingerprint(model) == job["fingerprint"], "the model as given was not rebuilt"

@@ -72,7 +72,7 @@ def test_a_pt2_compiles_one_model_per_signature_and_shows_each(two_batches):
 
 def test_a_pt2_refuses_a_shape_it_was_not_compiled_for_in_one_line(two_batches):
     _, _, path, (one, four), _ = two_batches
-    loaded = bladesmith.load(path)
+    loaded = bladesmith.load(path, trust=True)
     assert loaded.batch_fixed
     for other in (torch.cat([one, one]), four[..., :7, :7], four.double()):
         with pytest.raises(BladesmithError) as refused:
@@ -97,7 +97,7 @@ def test_a_pt2_loads_each_model_by_name_where_torchs_package_reader_refuses_it(
 
     monkeypatch.setattr(_package, "load_pt2", refuses)
     optimized, _, path, batches, _ = two_batches
-    loaded = bladesmith.load(path)
+    loaded = bladesmith.load(path, trust=True)
     for x in batches:
         torch.testing.assert_close(loaded(x), optimized(x), rtol=1e-4, atol=1e-5)
 
@@ -135,7 +135,7 @@ def test_a_pt2_of_one_model_written_the_old_way_still_loads(tmp_path):
         package_path=str(path),
         inductor_configs={"aot_inductor.metadata": {METADATA_KEY: json.dumps(metadata)}},
     )
-    loaded = bladesmith.load(path)
+    loaded = bladesmith.load(path, trust=True)
     torch.testing.assert_close(loaded(x), optimized(x), rtol=1e-4, atol=1e-5)
     assert loaded.spec == optimized.spec and loaded.batch_fixed
     with pytest.raises(BladesmithError, match=r"runs \[2, 3, 8, 8\] float32 only \(AOTInd"):
@@ -151,13 +151,13 @@ def test_a_pt2_holds_the_non_tensor_arguments_it_was_compiled_for(tmp_path):
     optimized, _, _ = bladesmith.optimize(
         model, device="cpu", test_data=[(x, True), (x, False)], config=QUICK, passes=[]
     )
-    both = bladesmith.load(bladesmith.save(optimized, tmp_path / "both.pt2"))
+    both = bladesmith.load(bladesmith.save(optimized, tmp_path / "both.pt2"), trust=True)
     for negate in (True, False):
         torch.testing.assert_close(both(x, negate), model(x, negate), rtol=1e-4, atol=1e-5)
     optimized, _, _ = bladesmith.optimize(
         model, device="cpu", test_data=[(x, True)], config=QUICK, passes=[]
     )
-    one = bladesmith.load(bladesmith.save(optimized, tmp_path / "one.pt2"))
+    one = bladesmith.load(bladesmith.save(optimized, tmp_path / "one.pt2"), trust=True)
     torch.testing.assert_close(one(x, True), model(x, True), rtol=1e-4, atol=1e-5)
     with pytest.raises(BladesmithError) as refused:
         one(x, False)

@@ -100,7 +100,7 @@ def test_a_saved_onnx_refuses_other_values_of_arguments_held_as_constants(tmp_pa
 def test_aoti_package_round_trip_on_cpu(tmp_path):
     optimized, spec, x = optimized_net()
     assert ".pt2" in spec.untried_formats  # minutes to build: save checks it instead
-    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt2"))
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt2"), trust=True)
     torch.testing.assert_close(loaded(x), optimized(x), rtol=1e-4, atol=1e-5)
     assert loaded.spec.passes == spec.passes and loaded.device == torch.device("cpu")
     # It would read past a smaller batch, drop rows of a larger one and misread other
@@ -213,7 +213,7 @@ def test_aoti_detector_round_trip_on_gpu(tmp_path):
     )
     assert ".pt2" in spec.untried_formats
     skip_where_torch_cannot_load_its_packages("cuda")
-    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "detector.pt2"))
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "detector.pt2"), trust=True)
     # AOTInductor compiles its own kernels (TF32 convolutions in float32): scores agree
     # within the detection tolerance of the network's dtype, not bit for bit.
     score_atol = detection_score_tolerance(getattr(torch, spec.dtype))

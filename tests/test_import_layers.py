@@ -14,7 +14,8 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "bladesmith"
 # Low to high; a module may import its own layer and any lower one.
 LAYERS = [
     {"errors", "_files", "progress", "config", "spec", "bench", "report", "devices",
-     "toolchain", "environment", "images", "convs", "models.weights", "typed_outputs"},
+     "toolchain", "environment", "images", "convs", "models.weights", "typed_outputs",
+     "trust"},
     {"verify"},
     {"ops"},
     {"onnx"},

@@ -30,7 +30,7 @@ if module_name:  # the user's code that defines the type, imported as a deployme
     importlib.import_module(module_name)
 x = torch.load(inputs, weights_only=True)
 for path in paths:
-    out = bladesmith.load(path)(x)
+    out = bladesmith.load(path, trust=path.endswith(".pt2"))(x)  # compiled code: trusted
     print(f"{type(out).__module__}:{type(out).__qualname__}")
     torch.save(plain(out), path + ".out")
 """
@@ -126,9 +126,11 @@ def test_a_type_that_cannot_be_found_comes_back_plain_with_one_warning(tmp_path)
             torch.testing.assert_close(got, plain(Net(output_type)(X)))
 
 
-def test_a_recorded_name_never_imports_a_module_that_is_not_installed(tmp_path, monkeypatch):
-    """A file names any module it likes: one beside it on the path is not imported (its
-    code would run), and what is found is called only if it is a class of the kind."""
+def test_a_recorded_name_never_imports_a_module_outside_the_allowlist(tmp_path, monkeypatch):
+    """A file names any module it likes: one beside it on the path, or of an installed
+    package outside typed_outputs.IMPORTABLE, is not imported (its code would run), and
+    what is found is called only if it is a class of the kind. (docs/security.md, trust
+    model: artifact metadata)"""
     (tmp_path / "planted.py").write_text(
         "import pathlib, dataclasses\n"
         f"pathlib.Path({str(tmp_path / 'ran')!r}).touch()\n"
@@ -140,6 +142,13 @@ def test_a_recorded_name_never_imports_a_module_that_is_not_installed(tmp_path, 
     assert find("os:system", "dataclass") is None  # not a class
     assert find("collections:OrderedDict", "namedtuple") is None  # not of the kind
     assert find(_name(Pair), "namedtuple") is Pair  # imported: the user's code
+    # An installed package's module, not yet imported: left alone.
+    probe = (
+        "import sys; from bladesmith.typed_outputs import find; "
+        "assert find('colorama.ansitowin32:AnsiToWin32', 'dataclass') is None; "
+        "assert 'colorama' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)
 
 
 def test_transformers_model_output_keeps_its_type(tmp_path):

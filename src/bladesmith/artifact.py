@@ -223,13 +223,18 @@ def _metadata(optimized: OptimizedModule) -> dict:
     }
 
 
-def load(path: str | os.PathLike) -> OptimizedModule:
+def load(path: str | os.PathLike, *, trust: bool = False) -> OptimizedModule:
     """The artifact ``save`` wrote, as a module with the optimized module's call and
     outputs. Its metadata is read first, without loading the model; then bladesmith's
-    custom operators and the libraries it records, checked, then the model."""
+    custom operators and the libraries it records, checked, then the model.
+
+    What would run code the file brings (its operator libraries, a ``.pt2``'s compiled
+    code, TorchScript outside the operator allowlist) is refused in one line unless
+    ``trust`` (the command line's ``--trust``): only for files from someone you trust
+    (docs/security.md)."""
     path = Path(path)
     info = formats.metadata_of(path)
-    run = formats.read(path, info)
+    run = formats.read(path, info, trust=trust)
     spec = Spec.from_dict(info["spec"])
     runs = run if isinstance(run, dict) else {}  # a .pt2's models, by what each runs
     built_for = BuiltFor.of(spec, **info["inputs"]) if "inputs" in info and not runs else None

@@ -30,8 +30,9 @@ import torch
 # may not have imported the user's module that defines them).
 _CHILD = """
 import sys, torch, bladesmith
+from bladesmith.trust import QUIET
 from bladesmith.typed_outputs import plain
-module = bladesmith.load(sys.argv[1])
+module = bladesmith.load(sys.argv[1], trust=QUIET)
 calls = torch.load(sys.argv[2], weights_only=True)
 torch.save([plain(module(*args)) for args in calls], sys.argv[3])
 """

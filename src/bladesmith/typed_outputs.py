@@ -10,9 +10,10 @@ what any runner or loaded artifact returns.
 
 Loading never unpickles nor imports what the file asks for at will: a recorded type is
 used when this process recorded it itself, when its module is already imported (the
-user's code that defines it), or when its top-level package is an installed
-distribution's (``transformers``), whose code the user installed; and only a class of
-the recorded kind (a dataclass, a NamedTuple) with the recorded fields is called.
+user's code that defines it), or when it is a module of one of the packages known to
+define output types (``IMPORTABLE``: ``transformers``, torchvision, bladesmith), which
+is then imported; and only a class of the recorded kind (a dataclass, a NamedTuple)
+with the recorded fields is called.
 Anything else comes back plain, with one warning naming the type. A dict subclass that
 is not a dataclass comes back as a plain dict.
 """
@@ -20,14 +21,17 @@ is not a dataclass comes back as a plain dict.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
-import importlib.metadata
 import sys
 import warnings
 import weakref
 
 from torch import nn
+
+# The packages whose modules a file may name for its output types, imported when not yet:
+# they define the output types of the models bladesmith takes. Any other module must be
+# imported by the user first (an artifact could otherwise import any installed module).
+IMPORTABLE = frozenset({"transformers", "torchvision", "bladesmith"})
 
 # The types this process recorded: the model's own, trusted as it is (even a class
 # defined in a function, which no name finds).
@@ -116,9 +120,10 @@ class Rebuild:
         missing = sorted(name for name, cls in self.types.items() if cls is None)
         if missing:
             warnings.warn(
-                f"output type {', '.join(missing)} not found (its module is neither imported "
-                "nor an installed package's): outputs are returned as plain dicts and tuples; "
-                "import the module that defines it before loading to get it back",
+                f"output type {', '.join(missing)} not found (its module is not imported, and "
+                f"only modules of {', '.join(sorted(IMPORTABLE))} are imported for a file): "
+                "outputs are returned as plain dicts and tuples; import the module that "
+                "defines it before loading to get it back",
                 stacklevel=3,
             )
 
@@ -174,7 +179,7 @@ def find(name: str, kind: str) -> type | None:
         return _RECORDED[name]
     module_name, _, qualname = name.partition(":")
     module = sys.modules.get(module_name)
-    if module is None and module_name.partition(".")[0] in _installed_packages():
+    if module is None and module_name.partition(".")[0] in IMPORTABLE:
         try:
             module = importlib.import_module(module_name)
         except Exception:
@@ -193,9 +198,3 @@ def _is_output_class(found, kind: str) -> bool:
     if kind == "namedtuple":
         return issubclass(found, tuple) and isinstance(getattr(found, "_fields", None), tuple)
     return kind == "dataclass" and dataclasses.is_dataclass(found)
-
-
-@functools.cache
-def _installed_packages() -> frozenset[str]:
-    """The top-level packages installed distributions provide."""
-    return frozenset(importlib.metadata.packages_distributions())

@@ -166,6 +166,15 @@ def _table() -> list[tuple[str, str, str]]:
         ("fix-output-is-the-input", "fix {onnx} {onnx} -t ort-cpu", "onnx"),
         ("export-unknown-format", "export tflite {model} o.tflite", "tflite"),
         ("unknown-command", "frobnicate", "frobnicate"),
+        # Test images past the memory available: refused before any is made.
+        ("optimize-huge-side", "optimize {model} --input-size 99999999999x1", "--input-size"),
+        ("optimize-huge-batch", "optimize {model} --batch 100000000", "--batch"),
+        (
+            "export-huge-side",
+            "export onnx {model} o.onnx --input-size 99999999999x1",
+            "--input-size",
+        ),
+        ("export-huge-batch", "export onnx {model} o.onnx --batch 100000000", "--batch"),
     ]
     return cases
 
@@ -265,3 +274,22 @@ def test_load_of_a_bad_file_is_one_clear_error(key, files):
         bladesmith.load(files[key])
     message = str(raised.value)
     assert files[key].name in message and "\n" not in message and len(message) < 400
+
+
+def test_images_past_the_memory_available_are_refused_and_a_large_fit_is_said(
+    files, capsys, monkeypatch
+):
+    """The limit is the memory available now, not a fixed size: 64 images of 64x64
+    (3 MiB) refused where 2 MiB are available, and said on stderr where they fit but
+    pass the noted size."""
+    from bladesmith.cli import args
+
+    monkeypatch.setattr(args, "available_memory", lambda: 2 << 20)
+    code, err = _run(
+        ["optimize", str(files["model"]), "--batch", "64", "--input-size", "64x64"], capsys
+    )
+    assert code == 2 and "3.0 MiB of test images, more than the 2.0 MiB" in err, err
+    monkeypatch.setattr(args, "available_memory", lambda: 1 << 40)
+    monkeypatch.setattr(args, "IMAGES_NOTED_BYTES", 1 << 20)
+    args.check_images_fit((64,), (64, 64))
+    assert "making 3.0 MiB of test images" in capsys.readouterr().err

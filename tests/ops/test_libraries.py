@@ -72,7 +72,7 @@ def _compare_script(artifact: Path, model: Path, shape=(1, 3, 24, 32), tolerance
     return textwrap.dedent(
         f"""
         import torch, bladesmith
-        optimized = bladesmith.load({str(artifact)!r})
+        optimized = bladesmith.load({str(artifact)!r}, trust=True)
         images = torch.rand({shape})
         model = torch.jit.load({str(model)!r})
         torch.testing.assert_close(
@@ -124,7 +124,7 @@ def test_optimize_save_bench_and_load_in_new_processes(user_library, model_file,
         data["diagnosis"]["notes"]
     )
 
-    bench = _cli("bench", str(out), "--warmup", "0", "--iters", "2", cwd=tmp_path)
+    bench = _cli("bench", str(out), "--trust", "--warmup", "0", "--iters", "2", cwd=tmp_path)
     assert bench.returncode == 0, bench.stderr
     loaded = _run("-c", _compare_script(out, model_file), cwd=tmp_path)
     assert loaded.returncode == 0 and "same outputs" in loaded.stdout, loaded.stderr
@@ -229,7 +229,7 @@ def test_an_operator_without_fake_kernel_rules_out_pt2_with_a_reason(user_librar
     )
     saved = bladesmith.save(optimized, tmp_path / "opt.pt")
     assert (tmp_path / "opt.pt.libs" / user_library.name).is_file()
-    torch.testing.assert_close(bladesmith.load(saved)(images), optimized(images))
+    torch.testing.assert_close(bladesmith.load(saved, trust=True)(images), optimized(images))
 
 
 class LayersAfterTheOperator(nn.Module):

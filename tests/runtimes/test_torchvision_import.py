@@ -19,7 +19,7 @@ QUICK = Config(warmup=0, iters=1, min_speedup=1e-6, progress=False)
 # Load the artifact in a new interpreter, run it, say whether torchvision got imported.
 _LOAD = """
 import sys, torch, bladesmith
-module = bladesmith.load(sys.argv[1])
+module = bladesmith.load(sys.argv[1], trust=True)
 args = torch.load(sys.argv[2], weights_only=True)
 expected = torch.load(sys.argv[3], weights_only=True)
 torch.testing.assert_close(module(*args), expected)

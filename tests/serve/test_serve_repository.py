@@ -18,7 +18,11 @@ from serve_testing import NET_BATCH, QUICK, VOCABULARY, free_ports, tiny_net  # 
 import bladesmith  # noqa: E402
 from bladesmith.cli import main  # noqa: E402
 from bladesmith.errors import BladesmithError  # noqa: E402
-from bladesmith.serve.repository import signature_from_config, write_repository  # noqa: E402
+from bladesmith.serve.repository import (  # noqa: E402
+    Deployment,
+    signature_from_config,
+    write_repository,
+)
 from bladesmith.serve.server import Server  # noqa: E402
 from engine_testing import USER_OPERATOR  # noqa: E402
 
@@ -228,13 +232,14 @@ def test_a_python_repository_holds_the_operator_libraries_saved_with_the_artifac
     import sys
 
     path, model = user_op_artifact
-    model_dir = write_repository(path, tmp_path / "repo", backend="python")
+    trusted = Deployment(trust=True)  # its library is native code the instances load
+    model_dir = write_repository(path, tmp_path / "repo", backend="python", deployment=trusted)
     copied = model_dir / "1" / "scaled.pt.libs"
     assert (copied / user_library.name).is_file() and not copied.is_symlink()
     assert "(scaled.pt.libs/)" in (tmp_path / "repo" / "README.md").read_text()
     x = torch.rand(4, 6)
-    code = (
-        "import sys, torch, bladesmith; m = bladesmith.load(sys.argv[1]); "
+    code = (  # its libraries are native code: loaded under trust, as serve --trust does
+        "import sys, torch, bladesmith; m = bladesmith.load(sys.argv[1], trust=True); "
         "torch.save(m(torch.load(sys.argv[2])), sys.argv[3])"
     )
     torch.save(x, tmp_path / "x.pt")
@@ -362,7 +367,8 @@ def test_a_libtorch_repository_preloads_the_users_operator_library(
     path, model = user_op_artifact
     repo = tmp_path / "repo"
     # Found from what the model calls: the library saved beside it, no flag needed.
-    assert main(["export", "triton", str(path), str(repo), "--backend", "pytorch_libtorch"]) == 0
+    argv = ["export", "triton", str(path), str(repo), "--backend", "pytorch_libtorch", "--trust"]
+    assert main(argv) == 0
     version = repo / "scaled" / "1"
     assert sorted(file.name for file in version.iterdir()) == ["model.pt", user_library.name]
     readme = (repo / "README.md").read_text()
@@ -419,3 +425,17 @@ def test_a_libtorch_repository_of_an_operator_registered_from_python_is_refused(
     assert "twice.pt calls pyops_test::twice, which no loaded library file defines" in err
     assert "--load-library" in err and len(err.strip().splitlines()) == 1
     assert not (repo / "twice").exists()
+
+
+def test_an_artifact_with_its_own_libraries_needs_trust_to_be_served(user_op_artifact, tmp_path):
+    """Each model instance would load scaled.pt.libs/ in a process of its own: refused in
+    one line before anything is written, though this process has loaded the library
+    (docs/security.md, trust model: an artifact with ARTIFACT.libs/*.so)."""
+    from bladesmith.trust import UntrustedFileError
+
+    path, _ = user_op_artifact
+    for backend in ("python", "pytorch_libtorch"):
+        with pytest.raises(UntrustedFileError) as refused:
+            write_repository(path, tmp_path / backend, backend=backend)
+        assert "scaled.pt.libs" in str(refused.value) and "--trust" in str(refused.value)
+        assert not (tmp_path / backend / "scaled").exists()

@@ -40,7 +40,7 @@ def test_signature_has_real_dtypes_fixed_rows_and_the_artifacts_batch(net_artifa
 
 @pytest.mark.parametrize("suffix", [".pt", ".onnx"])
 def test_requests_are_cut_into_buckets_padded_and_given_back_their_own_rows(net_artifacts, suffix):
-    runner = BucketRunner(bladesmith.load(net_artifacts[suffix]))
+    runner = BucketRunner(bladesmith.load(net_artifacts[suffix], trust=True))
     requests = [rows(1, 1), rows(3, 2), rows(5, 3)]  # 9 rows: 3 buckets, the last padded
     answers = runner.answer([[x] for x in requests])
     for x, answer in zip(requests, answers):
@@ -171,7 +171,7 @@ def test_an_aotinductor_package_is_not_tried_at_another_batch(tmp_path, capsys):
     # It runs the shapes it was compiled for only: at batch 1 it is refused.
     from serve_testing import optimized_net
 
-    loaded = bladesmith.load(bladesmith.save(optimized_net(), tmp_path / "net.pt2"))
+    loaded = bladesmith.load(bladesmith.save(optimized_net(), tmp_path / "net.pt2"), trust=True)
     capsys.readouterr()
     runner = BucketRunner(loaded)
     assert runner.buckets == (NET_BATCH,)
@@ -192,7 +192,7 @@ def test_an_aotinductor_package_of_several_batches_serves_each_as_a_bucket(tmp_p
     optimized, _, _ = bladesmith.optimize(
         tiny_net(), device="cpu", test_data=[(one,), (four,)], config=QUICK, passes=[]
     )
-    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt2"))
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt2"), trust=True)
     assert loaded.batches == (1, NET_BATCH)
     capsys.readouterr()
     runner = BucketRunner(loaded)
@@ -261,7 +261,7 @@ def test_a_failing_model_fails_its_batch_with_a_one_line_reason(net_artifacts):
 def test_one_loaded_artifact_called_from_8_threads_gives_each_caller_its_answer(
     net_artifacts, suffix
 ):
-    loaded = bladesmith.load(net_artifacts[suffix])
+    loaded = bladesmith.load(net_artifacts[suffix], trust=True)
     inputs = [torch.from_numpy(rows(NET_BATCH, 100 + i)) for i in range(8)]
     serial = [loaded(x)[0].clone() for x in inputs]
     mismatches, errors = [], []
@@ -322,7 +322,7 @@ def test_on_a_gpu_each_runner_replays_its_own_cuda_graph(tmp_path):
         tiny_net().cuda(), device="cuda", test_data=[(x,)], config=QUICK, passes=[]
     )
     skip_where_torch_cannot_load_its_packages("cuda")
-    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt2"))
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "net.pt2"), trust=True)
     first, second = BucketRunner(loaded), BucketRunner(loaded)
     assert isinstance(first.run, CudaGraphRunner) and first.run is not second.run
     assert first.buckets == (NET_BATCH,)  # an AOTInductor package is not tried at others

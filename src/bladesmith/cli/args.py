@@ -17,6 +17,53 @@ def input_size(text: str) -> tuple[int, int]:
     return height, width
 
 
+# What the commands say before making test images this large (float32 bytes).
+IMAGES_NOTED_BYTES = 1 << 30
+
+
+def check_images_fit(batches: tuple[int, ...], size: tuple[int, int]) -> None:
+    """Refuse, in one line naming --batch and --input-size, test images (float32
+    photographs, each batch made in turn and kept) that would not fit in the memory
+    available now; say on stderr what they take when it is over 1 GiB."""
+    import sys
+
+    from bladesmith.errors import BladesmithError
+
+    height, width = size
+    needed = sum(batches) * 3 * height * width * 4
+    said = f"--batch {batches_said(batches)} at --input-size {height}x{width}"
+    available = available_memory()
+    if available is not None and needed > available:
+        raise BladesmithError(
+            f"{said}: {_size(needed)} of test images, more than the {_size(available)} of "
+            "memory available; give a smaller --batch or --input-size"
+        )
+    if needed > IMAGES_NOTED_BYTES:
+        print(f"bladesmith: {said}: making {_size(needed)} of test images", file=sys.stderr)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation now (Linux: MemAvailable; else the
+    free pages), or None where neither is known."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _size(size: int) -> str:
+    return f"{size / 2**30:,.1f} GiB" if size >= 2**30 else f"{size / 2**20:,.1f} MiB"
+
+
 def at_least(minimum: int):
     """argparse type for an integer >= ``minimum``."""
 
@@ -63,13 +110,15 @@ def port(text: str) -> int:
 
 
 def add_trust_option(parser: argparse.ArgumentParser) -> None:
-    """``--trust``: read a .pt2 model file that holds more than tensors (pickled objects,
-    compiled code), which torch.export.load runs (docs/security.md)."""
+    """``--trust``: load a file whose loading runs code it brings (native libraries,
+    compiled code, TorchScript outside the operator allowlist, pickles), saying what
+    runs on stderr first (``bladesmith.trust``, docs/security.md)."""
     parser.add_argument(
         "--trust",
         action="store_true",
-        help="read a .pt2 MODEL even where it holds pickled objects or compiled code, "
-        "which run as it loads: only for files from someone you trust",
+        help="load the file even where that runs code its maker wrote (its operator "
+        "libraries, compiled .pt2 code, TorchScript outside the operator allowlist, "
+        "pickles): only for files from someone you trust (docs/security.md)",
     )
 
 

@@ -16,6 +16,7 @@ from bladesmith.cli.args import (
     add_library_options,
     add_trust_option,
     at_least,
+    check_images_fit,
     input_size,
     output_file,
     readable_file,
@@ -95,7 +96,10 @@ def run(args: argparse.Namespace) -> int:
     from bladesmith.images import sample_images
     from bladesmith.onnx.exporter import export
 
+    if args.input_size is not None and args.batch is not None:  # before loading the model
+        check_images_fit((args.batch,), args.input_size)
     model, output_names = _load_model(args)
+    check_images_fit((args.batch,), args.input_size)
     images = sample_images(args.batch, args.input_size)
     _check_runs(model, images, args)
     path = export(
@@ -274,6 +278,7 @@ def run_triton(args: argparse.Namespace) -> int:
             args.instances,
             args.device,
             image_dtype=args.image_dtype,
+            trust=args.trust,
         ),
         libraries=tuple(args.load_library),
     )

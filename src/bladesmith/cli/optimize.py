@@ -17,6 +17,7 @@ from bladesmith.cli.args import (
     add_library_options,
     add_trust_option,
     batch_sizes,
+    check_images_fit,
     input_size,
     output_file,
     pass_name,
@@ -97,6 +98,7 @@ def add_parser(subparsers) -> None:
     bench.add_argument(
         "artifacts", nargs="+", type=readable_file, metavar="ARTIFACT", help=".pt2 or .pt files"
     )
+    add_trust_option(bench)
     bench.add_argument("--warmup", type=SETTINGS["warmup"].parse, help=SETTINGS["warmup"].doc)
     bench.add_argument("--iters", type=SETTINGS["iters"].parse, help=SETTINGS["iters"].doc)
     bench.add_argument(
@@ -241,6 +243,7 @@ def _model_and_inputs(args: argparse.Namespace):
     them (a list for the built-in detector, one batch tensor for a model file)."""
     from bladesmith.images import sample_images
 
+    check_images_fit(args.batch, args.input_size)
     model = model_or_file(args.model, args.input_size, args.weights)
     batches = [sample_images(size, args.input_size) for size in args.batch]
     return model, [(images,) if isinstance(model, str) else (list(images),) for images in batches]
@@ -255,7 +258,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from bladesmith.bench import STATISTIC
     from bladesmith.report import output_console
 
-    loaded = [_load_for_bench(path) for path in args.artifacts]
+    loaded = [_load_for_bench(path, args.trust) for path in args.artifacts]
     rows = _time_side_by_side(loaded, args.warmup, args.iters)
     reference = loaded[0]
     for row, (_, outputs, _) in zip(rows[1:], loaded[1:], strict=True):
@@ -339,7 +342,7 @@ def _time_side_by_side(loaded: list, warmup: int | None, iters: int | None) -> l
     return rows
 
 
-def _load_for_bench(path: str) -> tuple[dict, object, object]:
+def _load_for_bench(path: str, trust: bool) -> tuple[dict, object, object]:
     """One artifact, run once on photographs of its input shape: (its table row, its
     outputs, a call that runs it again on them)."""
     import torch
@@ -350,7 +353,7 @@ def _load_for_bench(path: str) -> tuple[dict, object, object]:
     from bladesmith.images import sample_images
     from bladesmith.spec import OUTPUT_PADDED
 
-    artifact = bladesmith.load(path)
+    artifact = bladesmith.load(path, trust=trust)
     spec = artifact.spec
     shape = spec.input_shapes[0]
     if len(spec.input_shapes) != 1 or len(shape) != 4 or shape[1] != 3:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from bladesmith.cli.args import add_load_library, at_least, output_file, port
+from bladesmith.cli.args import add_load_library, add_trust_option, at_least, output_file, port
 
 
 def add_parser(subparsers) -> None:
@@ -105,6 +105,7 @@ def add_parser(subparsers) -> None:
 
 
 def add_deployment_options(parser: argparse.ArgumentParser) -> None:
+    add_trust_option(parser)
     add_load_library(
         parser, " (besides those saved with the artifact in ARTIFACT.libs/, used without it)"
     )
@@ -160,6 +161,7 @@ def run_serve(args: argparse.Namespace) -> int:
         image_dtype=args.image_dtype,
         max_request_bytes=args.max_request_bytes,
         shared_memory=args.shared_memory,
+        trust=args.trust,
     )
     return 0
 

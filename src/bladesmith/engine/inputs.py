@@ -15,8 +15,10 @@ from torch import nn
 from bladesmith._files import contents, first_line, unreadable
 from bladesmith.devices import device_kind
 from bladesmith.errors import quiet_log
-from bladesmith.runtimes.torchscript import in_eval_mode, quiet_torchscript
+from bladesmith.runtimes.operator_allowlist import refused_in_exported
+from bladesmith.runtimes.torchscript import in_eval_mode, load_checked
 from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX
+from bladesmith.trust import UntrustedFileError, require
 
 
 def working_copy(model, device: torch.device, trust: bool = False) -> tuple[nn.Module, dict]:
@@ -65,9 +67,10 @@ def model_dtype(module: nn.Module) -> torch.dtype:
 
 def load_model_file(path, trust: bool = False) -> nn.Module:
     """The module in a TorchScript (.pt) or torch.export (.pt2) file, on the CPU. Any
-    file that is not one raises a BladesmithError saying what the file is instead. A .pt2
-    holding pickles of more than tensors (which torch's reader runs) or compiled code is
-    refused in one line unless ``trust``."""
+    file that is not one raises a BladesmithError saying what the file is instead. What
+    would run code the file brings (TorchScript or a torch.export graph outside the
+    operator allowlist, a .pt2 that torch's pickle reader alone reads) is refused in one
+    line unless ``trust`` (docs/security.md)."""
     from bladesmith.errors import BladesmithError, MissingFileError
 
     path = os.fspath(path)
@@ -85,24 +88,11 @@ def load_model_file(path, trust: bool = False) -> nn.Module:
 
         ops.load_library()
     if path.endswith(AOTI_SUFFIX):
-        if not trust:
-            _refuse_untrusted(path)
-        try:
-            with quiet_log("torch.export"):
-                return torch.export.load(path).module()
-        except Exception as error:
-            what = contents(path)
-            hint = (
-                "; an AOTInductor package is already compiled: load it with bladesmith.load"
-                if what.startswith("a torch.export or AOTInductor")
-                else ""
-            )
-            raise BladesmithError(
-                f"model {path!r}: not a torch.export program: {what} ({first_line(error)}){hint}"
-            ) from error
+        return _exported_module(path, trust)
     try:
-        with quiet_torchscript():
-            return torch.jit.load(path, map_location="cpu")
+        return load_checked(path, trust, "model", map_location="cpu")
+    except UntrustedFileError:
+        raise
     except Exception as error:  # torch raises RuntimeError, ValueError, pickle errors...
         from bladesmith.ops import libraries
 
@@ -119,32 +109,50 @@ def load_model_file(path, trust: bool = False) -> nn.Module:
         ) from error
 
 
-def _refuse_untrusted(path: str) -> None:
-    """One line for a .pt2 that torch.export.load would run code from: a pickle of more
-    than tensors, or an AOTInductor package (compiled code, which it loads)."""
+def _exported_module(path: str, trust: bool) -> nn.Module:
+    """The module of the torch.export program in ``path``: read without pickle and
+    checked against the operator allowlist (``runtimes.pt2_archive``,
+    ``runtimes.operator_allowlist``), or, where it cannot be and ``trust``, by
+    torch.export.load, which runs what its pickles and expressions hold."""
     from bladesmith.errors import BladesmithError
     from bladesmith.runtimes import pt2_archive
 
-    if not zipfile.is_zipfile(path):
-        return  # torch's error, below, says what it is
-    names = pt2_archive.members(path)
-    compiled = pt2_archive.aoti_models(names)
-    if not pt2_archive.exported_programs(names):
-        hint = "; an AOTInductor package is already compiled: load it with bladesmith.load"
+    is_zip = zipfile.is_zipfile(path)
+    compiled = pt2_archive.aoti_models(pt2_archive.members(path)) if is_zip else []
+    try:
+        with quiet_log("torch.export"):
+            program = pt2_archive.exported_program(path)
+    except pt2_archive.Untrusted as why:
+        if compiled:
+            raise BladesmithError(
+                f"model {path!r}: an AOTInductor package ({', '.join(compiled)}), already "
+                "compiled, not a torch.export program: run it with bladesmith bench or "
+                "serve (Python: bladesmith.load)"
+            ) from None
+        require(path, f"torch.export.load's pickles and expressions ({why})", trust, "model")
+        program = _torch_export_load(path)
+    except Exception as error:
         raise BladesmithError(
-            f"model {path!r}: not a torch.export program: {contents(path)}"
-            + (f" (AOTInductor models: {', '.join(compiled)}){hint}" if compiled else "")
-        )
-    unsafe = (
-        f"it holds compiled AOTInductor code ({', '.join(compiled)}) besides the program"
-        if compiled
-        else pt2_archive.unsafe_pickle(path)
-    )
-    if unsafe is not None:
+            f"model {path!r}: not a torch.export program: {contents(path)} ({first_line(error)})"
+        ) from error
+    else:
+        outside = refused_in_exported(program)
+        if outside is not None:
+            what = f"a torch.export graph outside the operator allowlist ({outside})"
+            require(path, what, trust, "model")
+    return program.module()
+
+
+def _torch_export_load(path: str) -> torch.export.ExportedProgram:
+    from bladesmith.errors import BladesmithError
+
+    try:
+        with quiet_log("torch.export"):
+            return torch.export.load(path)
+    except Exception as error:
         raise BladesmithError(
-            f"model {path!r}: {unsafe}, which torch.export.load would run: refused; if you "
-            "trust who made this file, pass --trust (Python: trust=True)"
-        )
+            f"model {path!r}: not a torch.export program: {contents(path)} ({first_line(error)})"
+        ) from error
 
 
 def device_argument(device, device_type: str | None):

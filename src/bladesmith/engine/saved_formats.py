@@ -9,6 +9,7 @@ from pathlib import Path
 
 from bladesmith.artifact import OptimizedModule, load, write
 from bladesmith.errors import describe
+from bladesmith.trust import QUIET
 
 
 def try_formats(
@@ -23,7 +24,7 @@ def try_formats(
             path = Path(directory) / f"model{suffix}"
             try:
                 write(optimized, path)
-                loaded = load(path)
+                loaded = load(path, trust=QUIET)
                 outputs = [loaded(*args) for args in test_args]
             except Exception as error:  # torch's messages may start on a new line
                 refused[suffix] = f"saving it and loading it back failed ({describe(error)})"

@@ -62,8 +62,9 @@ with torch.no_grad():
 _CHILD = (
     """
 import sys, torch, bladesmith
+from bladesmith.trust import QUIET
 from bladesmith import bench
-module = bladesmith.load(sys.argv[1])
+module = bladesmith.load(sys.argv[1], trust=QUIET)
 """
     + _TIMED
 )

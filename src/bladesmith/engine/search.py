@@ -91,8 +91,9 @@ def optimize(
     ``config``: a ``Config``; default: the innermost ``with Config(...)``, else defaults.
     ``passes``: the passes to try, in order (default: every registered pass).
     ``device_type``: PAI-Blade's name for ``device`` ("gpu", "cpu"): give either.
-    ``trust``: read a ``.pt2`` file that holds pickled objects or compiled code, which
-    run as it loads (refused otherwise: docs/security.md).
+    ``trust``: read a model file whose loading runs code it brings (TorchScript or a
+    torch.export graph outside the operator allowlist, a ``.pt2`` that only torch's
+    pickle reader reads), refused otherwise (docs/security.md).
 
     The optimized module takes the same arguments and returns the same structure as
     the model (``Config(output="padded")`` returns a detector's padded tensors).

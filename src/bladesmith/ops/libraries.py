@@ -29,6 +29,7 @@ import torch
 
 from bladesmith.errors import BladesmithError
 from bladesmith.ops.namespaces import is_builtin, operators_in
+from bladesmith.trust import require
 
 LIBRARY_FLAG = "--load-library"
 # Where a saved artifact's libraries go: a folder beside it, "<artifact>.libs".
@@ -488,12 +489,14 @@ def store_needed(
     return entries
 
 
-def restore(artifact: str | os.PathLike, entries: list[dict]) -> None:
+def restore(artifact: str | os.PathLike, entries: list[dict], *, trust: bool = False) -> None:
     """Load the libraries beside ``artifact`` that ``entries`` (the artifact's own
     metadata) record, unless their operators are loaded already (the user loaded them:
     a second copy would register them twice). The folder must hold those and the index
     alone, each a file of the folder (no link out of it) with the recorded SHA-256, the
-    index agreeing: anything else is refused in one line naming the file."""
+    index agreeing: anything else is refused in one line naming the file. Loading a
+    library runs its code: only when ``trust`` (the record protects a genuine artifact
+    from a swapped folder, not from the artifact's maker)."""
     artifact = Path(artifact).resolve()  # a link to an artifact: its libraries are there
     folder = folder_beside(artifact)
     source = f"{artifact}: its library"
@@ -524,6 +527,7 @@ def restore(artifact: str | os.PathLike, entries: list[dict]) -> None:
                 f"{source} {path} is not the file saved with it (its SHA-256 differs): "
                 "refused; save the artifact again"
             )
+        require(artifact, f"the native library {folder.name}/{entry['file']}", trust)
         load(path, source)
 
 

@@ -19,6 +19,7 @@ from bladesmith.progress import Progress
 from bladesmith.runtimes import pt2_archive
 from bladesmith.runtimes.built_for import BuiltFor, describe_tensors, signature
 from bladesmith.spec import AOTI_SUFFIX, Spec
+from bladesmith.trust import require
 
 SUFFIX = AOTI_SUFFIX
 NEEDS_FAKE_KERNELS = True  # torch.export traces the operators on fake tensors
@@ -76,9 +77,11 @@ def metadata(path: Path, key: str) -> str | None:
     return pt2_archive.aoti_metadata(path, key)
 
 
-def read(path: Path, info: dict) -> dict[BuiltFor, Callable] | Callable:
+def read(path: Path, info: dict, trust: bool = False) -> dict[BuiltFor, Callable] | Callable:
     """The package's models, each by what it runs (``info``: its metadata); a package
-    without "models" (older bladesmith) is its one model, "model"."""
+    without "models" (older bladesmith) is its one model, "model". Its compiled code runs
+    as it loads: only when ``trust``."""
+    require(path, "the compiled AOTInductor code it holds (a shared library)", trust)
     if "models" not in info:
         return _model(path, "model")
     why = info["inputs"]["why"]

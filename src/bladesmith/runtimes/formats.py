@@ -20,6 +20,7 @@ from bladesmith._files import contents, first_line, replacing, unreadable
 from bladesmith.errors import BladesmithError, MissingFileError, NotAnArtifactError
 from bladesmith.ops import libraries
 from bladesmith.runtimes import aoti, onnxruntime, torchscript
+from bladesmith.trust import UntrustedFileError
 
 FORMATS = {each.SUFFIX: each for each in (aoti, torchscript, onnxruntime)}
 
@@ -56,7 +57,7 @@ def metadata_of(path: Path) -> dict:
 def cannot_load(path: Path, why: str, hint: str = "") -> BladesmithError:
     return BladesmithError(
         f"load: cannot load {str(path)!r}, {contents(path)} ({why}){hint}; "
-        "bladesmith.load reads what bladesmith.save wrote"
+        "bladesmith reads the artifacts that bladesmith.save and optimize --out write"
     )
 
 
@@ -75,20 +76,22 @@ def write(module, calls: list[tuple], path: Path, metadata: dict, form: str, **o
         runtime.write(module, calls, file, metadata, key=METADATA_KEY, name=path.name, **options)
 
 
-def read(path: Path, info: dict):
+def read(path: Path, info: dict, trust: bool = False):
     """The runner (or runners) of the artifact at ``path`` whose metadata is ``info``,
     after bladesmith's operators and the libraries the metadata records (checked:
-    ``ops.libraries.restore``); one line for a file that does not load."""
+    ``ops.libraries.restore``); one line for a file that does not load. What would run
+    code the file brings (a library, compiled code, TorchScript outside the operator
+    allowlist) is refused unless ``trust`` (``bladesmith.trust``)."""
     from bladesmith import ops
 
     # Importing torchvision (1.2 s of a 1.6 s load on a 2-core CPU) registers its
     # operators: an artifact written before this was recorded may call them.
     ops_error = ops.load_builtin(torchvision=info.get("torchvision_operators", True) is not False)
-    libraries.restore(path, info.get("libraries", []))
+    libraries.restore(path, info.get("libraries", []), trust=trust)
     try:
-        return FORMATS[path.suffix].read(path, info)
+        return FORMATS[path.suffix].read(path, info, trust=trust)
     except Exception as error:  # torch, protobuf and zipfile each raise their own
-        if aoti.DEVICE_ERROR in str(error):  # built for a device that is not here
+        if aoti.DEVICE_ERROR in str(error) or isinstance(error, UntrustedFileError):
             raise
         operator = libraries.operator_error(error, path, info.get("libraries", []))
         if operator is not None:

@@ -188,6 +188,8 @@ def metadata(path: Path, key: str) -> str | None:
     return next((p.value for p in properties if p.key == key), None)
 
 
-def read(path: Path, info: dict) -> OnnxRunner:
+def read(path: Path, info: dict, trust: bool = False) -> OnnxRunner:
+    """ONNX Runtime's session: protobuf and ONNX's own operators, nothing the file brings
+    (its operator libraries are ``formats.read``'s)."""
     output_spec = pytree.treespec_loads(info["output_spec"])
     return cpu_runner(path, output_spec, tuple(info.get("none_outputs", ())))

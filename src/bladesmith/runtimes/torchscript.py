@@ -20,7 +20,9 @@ from torch.utils import _pytree as pytree
 
 from bladesmith.errors import BladesmithError
 from bladesmith.runtimes.built_for import BuiltFor, Checked, follows_the_batch
+from bladesmith.runtimes.operator_allowlist import refused_in_script_module
 from bladesmith.spec import TORCHSCRIPT_SUFFIX
+from bladesmith.trust import require
 from bladesmith.verify.detections import contains_detections
 
 SUFFIX = TORCHSCRIPT_SUFFIX
@@ -45,9 +47,44 @@ def metadata(path: Path, key: str) -> str | None:
         return archive.read(name).decode() if name is not None else None
 
 
-def read(path: Path, info: dict) -> torch.jit.ScriptModule:
+def read(path: Path, info: dict, trust: bool = False) -> torch.jit.ScriptModule:
+    return load_checked(path, trust)
+
+
+def load_checked(
+    path: str | Path, trust: bool, source: str = "load", **options
+) -> torch.jit.ScriptModule:
+    """``torch.jit.load(path, **options)`` where what it runs is inside the operator
+    allowlist (``operator_allowlist``), else only when ``trust`` (``trust.require``).
+    torch.jit.load runs a class's ``__setstate__`` as it reads the file: a file whose
+    code defines one is refused before it is read; the rest is checked after reading,
+    before anything is called."""
+    on_load = code_run_on_load(path)
+    if on_load is not None:
+        require(path, on_load, trust, source)
     with quiet_torchscript():
-        return torch.jit.load(str(path))
+        module = torch.jit.load(str(path), **options)
+    if on_load is None:
+        outside = refused_in_script_module(module)
+        if outside is not None:
+            what = f"TorchScript outside the operator allowlist ({outside})"
+            require(path, what, trust, source)
+    return module
+
+
+def code_run_on_load(path: str | Path) -> str | None:
+    """What TorchScript code ``torch.jit.load`` would run reading ``path`` (a
+    ``__setstate__``, in any of its code records, as torch's own reader lists them), or
+    None. Files it cannot read are left to torch.jit.load's own error."""
+    try:
+        reader = torch._C.PyTorchFileReader(str(path))
+        records = reader.get_all_records()
+    except Exception:  # not an archive: torch.jit.load says what it is
+        return None
+    for name in records:
+        if name.endswith(".py") and b"__setstate__" in reader.get_record(name):
+            return f"the TorchScript __setstate__ in {name}, as it loads"
+    return None
 
 
 def guarded(candidate, spec, example_args: tuple | None):

@@ -57,6 +57,7 @@ def serve(
     log: str | os.PathLike | None = None,
     max_request_bytes: int | None = None,
     shared_memory: bool = False,
+    trust: bool = False,
 ) -> Server | None:
     """Serve ``artifact`` (``.pt2``, ``.pt`` or ``.onnx`` from ``bladesmith.save``) as
     model ``name`` (default: the file's stem) on HTTP, gRPC and Prometheus-metrics ports
@@ -76,7 +77,8 @@ def serve(
     is allocated, as is any request that is not one for the model. Triton's shared-memory
     API is refused unless ``shared_memory``, and then served to this user's connections
     only. Where a model instance dies or is stopped, the server is ended within seconds
-    (``serve`` raises ``ServerStopError`` naming it).
+    (``serve`` raises ``ServerStopError`` naming it). ``trust``: as ``bladesmith.load``'s
+    (an artifact whose loading runs code it brings is refused without it).
 
     ``block``: serve until SIGINT or SIGTERM, then stop (the requests that had arrived are
     answered, later ones refused with HTTP 503 / gRPC UNAVAILABLE; a second signal ends
@@ -92,7 +94,13 @@ def serve(
     # CPU instances split the cores between them (a GPU artifact's threads barely work).
     threads = max(1, (os.cpu_count() or 1) // instances) if instances > 1 else 0
     deployment = Deployment(
-        max_batch, max_queue_delay_us, instances, device, threads, image_dtype=image_dtype
+        max_batch,
+        max_queue_delay_us,
+        instances,
+        device,
+        threads,
+        image_dtype=image_dtype,
+        trust=trust,
     )
     workdir = workdirs.work_folder("serve")
     repository = Path(workdir.name) / "models"

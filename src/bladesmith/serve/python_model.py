@@ -28,6 +28,7 @@ class TritonPythonModel:
         import bladesmith
         from bladesmith.serve.signature import BadRequest, BucketRunner
         from bladesmith.serve.stopping import admission
+        from bladesmith.trust import QUIET
 
         self._bad_request = BadRequest
         self._name = args["model_name"]
@@ -43,8 +44,10 @@ class TritonPythonModel:
             torch.set_num_threads(threads)
         if args["model_instance_kind"] == "GPU":
             torch.cuda.set_device(int(args["model_instance_device_id"]))
+        # serve said what it trusts, once, before the instances started.
+        trust = QUIET if parameters.get("trust") == "true" else False
         self.runner = BucketRunner(
-            bladesmith.load(here / parameters["artifact"]),
+            bladesmith.load(here / parameters["artifact"], trust=trust),
             image_dtype=parameters.get("image_dtype", "float32"),
         )
         self.input_names = [spec.name for spec in self.runner.signature.inputs]

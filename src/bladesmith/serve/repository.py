@@ -37,6 +37,7 @@ from bladesmith.ops import libraries as operator_libraries
 from bladesmith.ops.namespaces import registered_from_python_only
 from bladesmith.serve.signature import NUMPY_DTYPES, TRITON_DTYPES, Signature, TensorSpec
 from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
+from bladesmith.trust import require
 
 BACKENDS = ("python", "pytorch_libtorch", "onnxruntime")
 # The files each backend runs: a wrong pair would write a repository Triton cannot load.
@@ -70,6 +71,7 @@ class Deployment:
     device: str | None = None  # cpu, cuda, cuda:0,1; None: the artifact's
     torch_threads: int = 0  # per instance (Python backend); 0: torch's default
     image_dtype: str = "float32"  # a detector's images: float32, or uint8 (x / 255 on the device)
+    trust: bool = False  # bladesmith.load's: run the code the artifact brings
 
 
 def default_backend(artifact: Path) -> str:
@@ -164,10 +166,11 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
     from bladesmith.serve.signature import signature_of
 
     libraries = [_library(library) for library in libraries]
+    _instances_trusted(artifact, deployment, libraries)
     for library in libraries:
         torch.ops.load_library(str(library))
     try:
-        loaded = bladesmith.load(artifact)
+        loaded = bladesmith.load(artifact, trust=deployment.trust)
     except NotAnArtifactError:
         plain = _PLAIN_ONNX.format(name=artifact.name) if artifact.suffix == ".onnx" else ""
         raise NotAnArtifactError(_NOT_AN_ARTIFACT.format(name=artifact.name) + plain) from None
@@ -198,6 +201,7 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
         "torch_threads": str(deployment.torch_threads),
         "image_dtype": deployment.image_dtype,
         "compute_dtype": compute_dtype,
+        "trust": "true" if deployment.trust else "false",
         # What a client's test rows of an integer input draw from (loadtest).
         "input_ranges": json.dumps(
             {spec.name: spec.values for spec in signature.inputs if spec.values is not None}
@@ -227,6 +231,17 @@ def _python_model(artifact, version_dir, deployment, libraries, link):
         "stored_libraries": folder.name if folder is not None else None,
         "preload": [],
     }
+
+
+def _instances_trusted(artifact: Path, deployment: Deployment, given: list[Path]) -> None:
+    """Refuse, in one line before anything is written, an artifact whose own operator
+    libraries the server would load (each model instance, or tritonserver) without
+    ``trust``; where this process has loaded them already, ``bladesmith.load`` would not
+    ask. Libraries given with --load-library are the user's own."""
+    folder = operator_libraries.stored(artifact)
+    if folder is not None and not given:
+        what = f"the native libraries in {folder.name}/ (in the server's processes)"
+        require(artifact, what, deployment.trust, "serve")
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -274,10 +289,11 @@ def _torchscript_model(artifact, version_dir, deployment, libraries):
     from bladesmith.serve.signature import signature_of
 
     given = [_library(library) for library in libraries]
+    _instances_trusted(artifact, deployment, given)
     for library in given:
         torch.ops.load_library(str(library))
     # Builds and loads bladesmith's operators, and the libraries saved beside the artifact.
-    loaded = bladesmith.load(artifact)
+    loaded = bladesmith.load(artifact, trust=deployment.trust)
     operators = custom_operators(artifact)
     preload = [Path(ops.library_path())] if any(_is_bladesmiths(op) for op in operators) else []
     preload += given
