@@ -21,8 +21,6 @@ import contextvars
 import dataclasses
 from dataclasses import dataclass, field
 
-from bladesmith.spec import SAVE_FORMATS
-
 LEVELS = ("o0", "o1", "o2")
 OUTPUT_FORMS = ("native", "padded")
 
@@ -57,8 +55,9 @@ class Config:
     (non-finite inputs or reference outputs, no outputs, all-zero outputs, no detections),
     which is otherwise diagnosed and keeps nothing.
     ``progress``: a spinner on a terminal, else a line per pass (None or True); False: quiet.
-    ``save_as``: the save format the result is for (".pt2", ".pt", ".onnx"; ``optimize
-    --out`` sets it): passes whose result cannot be saved in it are skipped.
+    ``save_as``: the save format the result is for (a suffix of
+    ``runtimes.formats.FORMATS``, checked by ``optimize``; ``optimize --out`` sets it):
+    passes whose result cannot be saved in it are skipped.
     """
 
     rtol: float | None = None
@@ -125,10 +124,6 @@ class Config:
             raise ValueError(f"Config.rounds must be an integer >= 1, got {self.rounds!r}")
         if self.min_speedup <= 0:
             raise ValueError(f"Config.min_speedup must be > 0, got {self.min_speedup!r}")
-        if self.save_as is not None and self.save_as not in SAVE_FORMATS:
-            raise ValueError(
-                f"Config.save_as must be one of {', '.join(SAVE_FORMATS)}, got {self.save_as!r}"
-            )
         if self.output not in OUTPUT_FORMS:
             raise ValueError(
                 f"Config.output must be one of {', '.join(OUTPUT_FORMS)}, got {self.output!r}"

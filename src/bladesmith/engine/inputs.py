@@ -15,8 +15,9 @@ from torch import nn
 from bladesmith._files import contents, first_line, unreadable
 from bladesmith.devices import device_kind
 from bladesmith.errors import quiet_log
+from bladesmith.runtimes.aoti import SUFFIX as AOTI_SUFFIX
+from bladesmith.runtimes.onnxruntime import SUFFIX as ONNX_SUFFIX
 from bladesmith.runtimes.torchscript import in_eval_mode, quiet_torchscript
-from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX
 
 
 def working_copy(model, device: torch.device, trust: bool = False) -> tuple[nn.Module, dict]:
