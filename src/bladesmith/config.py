@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 LEVELS = ("o0", "o1", "o2")
 OUTPUT_FORMS = ("native", "padded")
+OPENVINO_HINTS = ("latency", "throughput")  # OpenVINO's PERFORMANCE_HINT, in lower case
 
 _current: contextvars.ContextVar[Config | None] = contextvars.ContextVar(
     "bladesmith_config", default=None
@@ -58,6 +59,9 @@ class Config:
     ``save_as``: the save format the result is for (a suffix of
     ``runtimes.formats.FORMATS``, checked by ``optimize``; ``optimize --out`` sets it):
     passes whose result cannot be saved in it are skipped.
+    ``openvino_hint`` ("latency" or "throughput"), ``openvino_threads`` and
+    ``openvino_streams`` (None: OpenVINO's choice): how the openvino pass compiles the
+    model for the CPU, as it will be deployed; recorded in a ``.ov`` and applied on load.
     """
 
     rtol: float | None = None
@@ -75,6 +79,9 @@ class Config:
     allow_degenerate: bool = False
     progress: bool | None = None
     save_as: str | None = None
+    openvino_hint: str = "latency"
+    openvino_threads: int | None = None
+    openvino_streams: int | None = None
 
     def __post_init__(self):
         for name in ("include", "exclude"):
@@ -124,6 +131,15 @@ class Config:
             raise ValueError(f"Config.rounds must be an integer >= 1, got {self.rounds!r}")
         if self.min_speedup <= 0:
             raise ValueError(f"Config.min_speedup must be > 0, got {self.min_speedup!r}")
+        if self.openvino_hint not in OPENVINO_HINTS:
+            raise ValueError(
+                f"Config.openvino_hint must be one of {', '.join(OPENVINO_HINTS)}, "
+                f"got {self.openvino_hint!r}"
+            )
+        for name in ("openvino_threads", "openvino_streams"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"Config.{name} must be an integer >= 1, got {value!r}")
         if self.output not in OUTPUT_FORMS:
             raise ValueError(
                 f"Config.output must be one of {', '.join(OUTPUT_FORMS)}, got {self.output!r}"

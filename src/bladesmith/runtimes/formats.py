@@ -16,11 +16,12 @@ from pathlib import Path
 from bladesmith._files import contents, first_line, replacing, unreadable
 from bladesmith.errors import BladesmithError, MissingFileError, NotAnArtifactError
 from bladesmith.ops import libraries
-from bladesmith.runtimes import aoti, onnxruntime, torchscript
+from bladesmith.runtimes import aoti, onnxruntime, openvino, torchscript
 from bladesmith.runtimes.format import Format
 
 FORMATS: dict[str, Format] = {
-    each.suffix: each for each in (aoti.FORMAT, torchscript.FORMAT, onnxruntime.FORMAT)
+    each.suffix: each
+    for each in (aoti.FORMAT, torchscript.FORMAT, onnxruntime.FORMAT, openvino.FORMAT)
 }
 
 METADATA_KEY = "bladesmith"  # in AOTInductor metadata, TorchScript extra files, ONNX properties
