@@ -146,3 +146,15 @@ def test_doctor_lists_openvino_and_its_devices():
 
     (shown,) = [p for p in _shown_packages(installed_packages(), {}) if p.name == "openvino"]
     assert shown.version is not None and shown.detail.startswith("devices: CPU (")
+
+
+def test_a_detector_pipeline_calling_bladesmith_operators_is_refused_by_name():
+    from bladesmith.passes import Candidate
+    from bladesmith.passes.fixed_shape import FixedShape
+    from engine_testing import context_for, tiny_detector
+
+    model, photos = tiny_detector()
+    context = context_for((photos,))
+    pipeline = FixedShape().apply(Candidate(module=model, device=torch.device("cpu")), context)
+    reason = OpenVino().skip_reason(pipeline, context)
+    assert reason.startswith("OpenVINO's PyTorch converter has no rule for bladesmith::")
