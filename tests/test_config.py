@@ -16,7 +16,14 @@ from bladesmith.errors import BladesmithError, SettingError
 
 # Per kind: a value of the wrong type, and a value of the right type out of range (None
 # where the kind has no range).
-WRONG_TYPE = {"bool": "False", "int": "3", "number": "1e-3", "choice": 5, "names": 5}
+WRONG_TYPE = {
+    "bool": "False",
+    "int": "3",
+    "number": "1e-3",
+    "choice": 5,
+    "names": 5,
+    "suffix": 5,
+}
 
 
 def out_of_range(setting):
@@ -24,6 +31,8 @@ def out_of_range(setting):
         return "nonsense"
     if setting.kind == "names":
         return [""]  # an empty name
+    if setting.kind == "suffix":
+        return "pt"  # no leading dot
     if setting.kind == "bool":
         return 1  # a truthy number: only True and False are taken
     low = setting.low if setting.low is not None else 0

@@ -19,7 +19,6 @@ from engine_testing import (
     tiny_detector,
     torch_package_problem,
 )
-from test_artifact import optimized_net
 
 QUICK = Config(warmup=0, iters=1)
 
@@ -66,22 +65,6 @@ def test_torch_loads_its_own_package_in_a_new_process_on_the_cpu():
     """The check the GPU test skips on finds nothing wrong where torch is sound: a
     broken check would skip the GPU test everywhere, silently."""
     assert torch_package_problem("cpu") is None
-
-
-@pytest.fixture(scope="module")
-def net():
-    return optimized_net()
-
-
-@pytest.mark.parametrize("suffix", [".pt", pytest.param(".pt2", marks=pytest.mark.slow), ".onnx"])
-def test_every_cpu_format_loads_in_a_new_process(suffix, net, tmp_path):
-    optimized, spec, x = net
-    assert suffix in (*spec.save_formats, *spec.untried_formats)  # .pt2: checked by save
-    path = bladesmith.save(optimized, tmp_path / f"net{suffix}")
-    with torch.no_grad():
-        expected = optimized(x)
-    printed = reload_in_new_process(path, (x,), expected, tmp_path)
-    assert printed.startswith("cpu ")
 
 
 def _on_cpu(tree):

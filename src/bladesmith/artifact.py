@@ -1,7 +1,7 @@
 """The optimized artifact: in memory (``OptimizedModule``) and on disk (``save``/``load``).
 
 ``save`` writes what the optimized module computes, without Python code, in the format
-its suffix names (``runtimes.formats.FORMATS``: ``.pt2``, ``.pt``, ``.onnx``) with
+its suffix names (``runtimes.formats.FORMATS``) with
 bladesmith's metadata (device, output form, spec), so that ``load`` gives back the same
 call and output structure; the user's operator libraries it calls go beside it
 (``<artifact>.libs/``, recorded by SHA-256), and both replace the previous ones together.
@@ -22,10 +22,10 @@ from bladesmith.devices import moved_to
 from bladesmith.errors import BladesmithError
 from bladesmith.families import Family, family_named
 from bladesmith.ops import libraries
-from bladesmith.runtimes import aoti, formats
+from bladesmith.runtimes import aoti, formats, torchscript
 from bladesmith.runtimes.built_for import BuiltFor, Checked, one_per_signature
 from bladesmith.runtimes.torchscript import guarded
-from bladesmith.spec import AOTI_SUFFIX, SAVE_FORMATS, TORCHSCRIPT_SUFFIX, Spec
+from bladesmith.spec import Spec
 from bladesmith.typed_outputs import Rebuild
 
 
@@ -144,14 +144,14 @@ class OptimizedModule(nn.Module):
             )
         if _extra_files:
             raise BladesmithError("torch.jit.save: _extra_files are not kept; bladesmith.save")
-        if TORCHSCRIPT_SUFFIX not in spec.save_formats:
-            why = spec.refused_formats.get(TORCHSCRIPT_SUFFIX, "TorchScript was not verified")
+        if torchscript.SUFFIX not in spec.save_formats:
+            why = spec.refused_formats.get(torchscript.SUFFIX, "TorchScript was not verified")
             formats = ", ".join(spec.save_formats) or "none"
             raise BladesmithError(
                 f"torch.jit.save: this optimized module cannot be saved as TorchScript ({why}); "
                 f"use bladesmith.save(optimized, path) with a path ending in: {formats}"
             )
-        write(self, Path(path), TORCHSCRIPT_SUFFIX)
+        write(self, Path(path), torchscript.SUFFIX)
 
     def _apply(self, fn, recurse=True):
         raise BladesmithError(
@@ -168,9 +168,8 @@ class OptimizedModule(nn.Module):
 def save(optimized: OptimizedModule, path: str | os.PathLike, *, inductor_configs=None) -> Path:
     """Write ``optimized`` (from ``bladesmith.optimize``) to ``path`` and return it.
 
-    The suffix picks the format: ``.pt2`` (AOTInductor, one model per input signature
-    of the test data; ``inductor_configs``, e.g. ``{"max_autotune": True}``, go to it),
-    ``.pt`` (frozen TorchScript) or ``.onnx`` (ONNX Runtime, CPU). ``spec.save_formats``
+    The suffix picks the format (``runtimes.formats.FORMATS``; ``inductor_configs``,
+    e.g. ``{"max_autotune": True}``, go to a ``.pt2``'s AOTInductor). ``spec.save_formats``
     lists those optimize saved, loaded and verified, the one closest to what runs in
     memory first; one of ``spec.untried_formats`` is checked in a new process on a test
     input of each signature, and deleted with the reason when it differs; one of
@@ -189,7 +188,7 @@ def save(optimized: OptimizedModule, path: str | os.PathLike, *, inductor_config
         raise BladesmithError(f"save: {path.suffix} refused: {spec.refused_formats[path.suffix]}")
     allowed = (*spec.save_formats, *spec.untried_formats)
     if path.suffix not in allowed:
-        known = ", ".join(f"{suffix} ({SAVE_FORMATS[suffix]})" for suffix in allowed)
+        known = ", ".join(f"{suffix} ({formats.FORMATS[suffix].description})" for suffix in allowed)
         raise BladesmithError(f"save: path {str(path)!r} must end with one of: {known}")
     write(optimized, path, inductor_configs=inductor_configs)
     if path.suffix in spec.untried_formats:
@@ -206,7 +205,11 @@ def write(optimized: OptimizedModule, path: Path, form: str = "", *, inductor_co
     from bladesmith.config import Config
 
     module, calls = optimized.candidate.module, optimized.verified_args
-    options = {"inductor_configs": inductor_configs, "progress": Config.current().progress}
+    options = {
+        "inductor_configs": inductor_configs,
+        "progress": Config.current().progress,
+        "runner": optimized.candidate.runner,
+    }
     formats.write(module, calls, path, _metadata(optimized), form or path.suffix, **options)
 
 
@@ -246,6 +249,6 @@ def load(path: str | os.PathLike, *, trust: bool = False) -> OptimizedModule:
         family=family_named(info["family"]) if info.get("family") else None,
         output=info["output"],
         spec=spec,
-        batch_fixed=path.suffix == AOTI_SUFFIX or any(not b.free_batch for b in runs),
+        batch_fixed=any(not b.free_batch for b in runs),
         batches=aoti.batches_held(runs, spec) if "models" in info else (),
     )

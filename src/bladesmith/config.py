@@ -29,10 +29,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from bladesmith.errors import SettingError
-from bladesmith.spec import SAVE_FORMATS
 
 LEVELS = ("o0", "o1", "o2")
 OUTPUT_FORMS = ("native", "padded")
+OPENVINO_HINTS = ("latency", "throughput")  # OpenVINO's PERFORMANCE_HINT, in lower case
 
 _current: contextvars.ContextVar[Config | None] = contextvars.ContextVar(
     "bladesmith_config", default=None
@@ -41,9 +41,9 @@ _current: contextvars.ContextVar[Config | None] = contextvars.ContextVar(
 
 @dataclass(frozen=True)
 class Setting:
-    """One setting: its ``kind`` ("bool", "int", "number", "choice" or "names", a pass
-    name or several), whether None is allowed (``optional``: None then means the default
-    ``doc`` gives), its range (``low``/``high``, ``low`` excluded when ``above``) or its
+    """One setting: its ``kind`` ("bool", "int", "number", "choice", "names", a pass
+    name or several, or "suffix", a format's), whether None is allowed (``optional``:
+    None then means the default ``doc`` gives), its range (``low``/``high``, ``low`` excluded when ``above``) or its
     ``choices``, and what it does (``doc``, as docs/optimize.md lists it)."""
 
     name: str
@@ -65,6 +65,8 @@ class Setting:
             text = "one of " + ", ".join(repr(choice) for choice in self.choices)
         elif self.kind == "names":
             text = "a pass name or a list of pass names"
+        elif self.kind == "suffix":
+            text = "a file suffix such as '.pt'"
         else:
             text = {"bool": "True or False", "int": "an integer", "number": "a number"}[self.kind]
             if self.low is not None and self.high is not None:
@@ -140,6 +142,12 @@ def _choice(setting: Setting, value):
     return value if isinstance(value, str) and value in setting.choices else _BAD
 
 
+def _suffix(setting: Setting, value):
+    # Which suffixes exist is runtimes.formats.FORMATS', above this module: optimize
+    # checks the name, this the form.
+    return value if isinstance(value, str) and len(value) > 1 and value[0] == "." else _BAD
+
+
 def _names(setting: Setting, value):
     if isinstance(value, str):
         value = (value,)
@@ -149,7 +157,14 @@ def _names(setting: Setting, value):
     return value if all(isinstance(name, str) and name for name in value) else _BAD
 
 
-_KINDS = {"bool": _bool, "int": _int, "number": _number, "choice": _choice, "names": _names}
+_KINDS = {
+    "bool": _bool,
+    "int": _int,
+    "number": _number,
+    "choice": _choice,
+    "names": _names,
+    "suffix": _suffix,
+}
 
 SETTINGS = {
     setting.name: setting
@@ -245,11 +260,31 @@ SETTINGS = {
         ),
         Setting(
             "save_as",
-            "choice",
-            "the save format the result is for (`optimize --out` sets it): passes whose "
-            "result cannot be saved in it are skipped",
+            "suffix",
+            "the save format the result is for, a suffix `bladesmith doctor` lists "
+            "(`optimize --out` sets it): passes whose result cannot be saved in it are skipped",
             optional=True,
-            choices=SAVE_FORMATS,
+        ),
+        Setting(
+            "openvino_hint",
+            "choice",
+            "how the `openvino` pass compiles the model (OpenVINO's PERFORMANCE_HINT); a "
+            "`.ov` records it and applies it on load",
+            choices=OPENVINO_HINTS,
+        ),
+        Setting(
+            "openvino_threads",
+            "int",
+            "OpenVINO's inference threads (None: OpenVINO's choice); recorded in a `.ov`",
+            optional=True,
+            low=1,
+        ),
+        Setting(
+            "openvino_streams",
+            "int",
+            "OpenVINO's streams (None: OpenVINO's choice); recorded in a `.ov`",
+            optional=True,
+            low=1,
         ),
     )
 }
@@ -267,6 +302,9 @@ class Config:
     ``iters`` runs in all after ``warmup`` (``bladesmith.bench.STATISTIC`` says how the
     speedup and its interval are computed).
     Passes: ``include`` and ``exclude`` by name (``bladesmith.passes.registry.names()``).
+    OpenVINO: ``openvino_hint``, ``openvino_threads`` and ``openvino_streams`` are how
+    the openvino pass compiles the model for the CPU, as it will be deployed; a ``.ov``
+    records them and applies them on load.
     """
 
     rtol: float | None = None
@@ -285,6 +323,9 @@ class Config:
     allow_unverified: bool = False
     progress: bool | None = None
     save_as: str | None = None
+    openvino_hint: str = "latency"
+    openvino_threads: int | None = None
+    openvino_streams: int | None = None
 
     def __new__(cls, *args, **settings):
         unknown = [name for name in settings if name not in SETTINGS]

@@ -203,7 +203,25 @@ def _shown_packages(
     if "torch" in packages:
         cuda, hip = torch_build.get("cuda"), torch_build.get("hip")
         shown[2].detail = f"CUDA {cuda}" if cuda else f"ROCm {hip}" if hip else "CPU build"
+    shown.append(Package("openvino", packages.get("openvino"), _openvino_devices(packages)))
     return shown
+
+
+def _openvino_devices(packages: Mapping[str, str]) -> str:
+    """The devices OpenVINO finds here, each with its name (the openvino pass and .ov
+    use its CPU), or "" where it is not installed; why, in one line, where it fails."""
+    if "openvino" not in packages:
+        return "pip install 'bladesmith[openvino]' for the openvino pass and .ov files"
+    try:
+        import openvino
+
+        core = openvino.Core()
+        return "devices: " + ", ".join(
+            f"{device} ({core.get_property(device, 'FULL_DEVICE_NAME')})"
+            for device in core.available_devices
+        )
+    except Exception as error:  # its plugins raise their own kinds
+        return f"does not start: {str(error).strip().splitlines()[0][:200]}"
 
 
 def _release(version: str) -> tuple[int, ...]:

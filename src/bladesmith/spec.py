@@ -2,7 +2,7 @@
 
 It says where the optimized module runs (device, dtype), on what (the input shapes and
 dtypes it was built and verified for), what it returns, which passes shaped it, the
-tolerance its outputs were verified at, and how to save it. ``save_formats`` are those
+tolerance its outputs were verified at, and the formats it saves in. ``save_formats`` are those
 that were saved, loaded back and gave outputs within that tolerance during
 ``optimize``; ``untried_formats`` those too long to build then (``bladesmith.save``
 builds them and checks them the same way); ``refused_formats`` the others, each with
@@ -14,16 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-# Save formats (``bladesmith.save`` picks one by the file's suffix).
-AOTI_SUFFIX = ".pt2"  # AOTInductor package: compiled kernels, loads without Python code
-TORCHSCRIPT_SUFFIX = ".pt"  # frozen TorchScript
-ONNX_SUFFIX = ".onnx"  # ONNX, run by ONNX Runtime on the CPU
-SAVE_FORMATS = {
-    AOTI_SUFFIX: "AOTInductor package (torch.export + AOTInductor, a model per input shape)",
-    TORCHSCRIPT_SUFFIX: "frozen TorchScript (torch.jit.trace + freeze)",
-    ONNX_SUFFIX: "ONNX for ONNX Runtime on the CPU (bladesmith.onnx.export)",
-}
 
 # What the optimized module returns: its family's padded tensors, or the model's own
 # structure (a family's ``user_output``, e.g. "detections", or whatever the model returned).
@@ -53,14 +43,6 @@ class Spec:
     # gives them, rebuilt on what runs; None where it returns plain containers.
     output_types: dict | None = None
 
-    @property
-    def save_hint(self) -> str:
-        if not self.save_formats:
-            refused = "; ".join(f"{k}: {why}" for k, why in self.refused_formats.items())
-            return f"no format was saved and loaded with the same outputs ({refused})"
-        suffix = self.save_formats[0]
-        return f'bladesmith.save(optimized, "model{suffix}"): {SAVE_FORMATS[suffix]}'
-
     @classmethod
     def from_dict(cls, data: dict) -> Spec:
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -80,5 +62,4 @@ class Spec:
         data["input_shapes"] = [list(shape) for shape in self.input_shapes]
         data["passes"] = list(self.passes)
         data["save_formats"] = list(self.save_formats)
-        data["save_hint"] = self.save_hint
         return data

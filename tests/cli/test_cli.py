@@ -47,7 +47,15 @@ def expected_exit(report: dict) -> int:
 def test_doctor_json_in_process(capsys):
     code = main(["doctor", "--json"])
     report = json.loads(capsys.readouterr().out)
-    assert set(report) == {"platform", "packages", "devices", "providers", "toolchain", "pitfalls"}
+    assert set(report) == {
+        "platform",
+        "packages",
+        "devices",
+        "providers",
+        "toolchain",
+        "pitfalls",
+        "formats",
+    }
     assert code == expected_exit(report)
 
 

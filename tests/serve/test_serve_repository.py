@@ -262,7 +262,7 @@ def test_a_backend_that_cannot_run_the_file_is_refused_in_one_line(net_artifacts
         err = capsys.readouterr().err
         assert code == 2, err
         assert f"--backend {backend} cannot serve {artifact.name}" in err
-        assert "pytorch_libtorch takes a TorchScript .pt, onnxruntime a .onnx" in err
+        assert "pytorch_libtorch takes a .pt, onnxruntime takes a .onnx" in err
         assert len(err.strip().splitlines()) == 1 and "report" not in err
         assert not repo.exists() or not any(repo.iterdir())
 

@@ -185,6 +185,14 @@ def output_file(*suffixes: str):
     return parse
 
 
+def save_file(text: str) -> str:
+    """argparse type for an artifact to write: ``output_file``'s checks, its suffix one of
+    a save format's (``runtimes.formats.FORMATS``, imported only once one is given)."""
+    from bladesmith.runtimes.formats import FORMATS
+
+    return output_file(*FORMATS)(text)
+
+
 def existing_folder(text: str) -> str:
     """argparse type for a folder that exists."""
     from pathlib import Path

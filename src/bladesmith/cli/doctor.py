@@ -15,7 +15,8 @@ _SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "doctor",
-        help="what this machine can run: versions, devices, providers, toolchains, pitfalls",
+        help="what this machine can run: versions, devices, providers, toolchains, save "
+        "formats, pitfalls",
         description=(
             "Report package versions, devices, ONNX Runtime execution providers, the "
             "toolchain for the custom operators, and known pitfalls with their fixes. "
@@ -45,15 +46,50 @@ def run(args: argparse.Namespace) -> int:
     from bladesmith.environment import doctor
 
     result = doctor(site_dirs=args.site_dir)
+    formats = save_formats()
     if args.json:
         import json
 
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps({**result.to_dict(), "formats": formats}, indent=2))
     else:
         from bladesmith.report import output_console
 
-        render(result, output_console())
+        console = output_console()
+        render(result, console)
+        render_formats(formats, console)
     return 1 if result.errors else 0
+
+
+def save_formats() -> list[dict]:
+    """Each save format (``runtimes.formats.FORMATS``): its suffix, what it holds, the
+    devices it is written for, the Triton backend that serves it, and whether this
+    machine can load it (what to install where not)."""
+    from bladesmith.runtimes.formats import FORMATS
+
+    return [
+        {
+            "suffix": suffix,
+            "description": each.description,
+            "devices": list(each.devices),
+            "triton_backend": each.triton_backend or "python",
+            "missing": each.missing_package(),
+        }
+        for suffix, each in FORMATS.items()
+    ]
+
+
+def render_formats(formats: list[dict], console) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="Save formats", title_justify="left", title_style="bold")
+    for column in ("suffix", "holds", "devices", "Triton backend", "loads here"):
+        table.add_column(column, overflow="fold")
+    for each in formats:
+        loads = each["missing"] or "yes"
+        row = (each["suffix"], each["description"], ", ".join(each["devices"]))
+        table.add_row(*(Text(cell) for cell in (*row, each["triton_backend"], loads)))
+    console.print(table)
 
 
 def render(result, console) -> None:

@@ -252,13 +252,14 @@ def _add_triton_parser(formats) -> None:
             "libraries saved beside the artifact (ARTIFACT.libs/) go into the repository."
         ),
     )
-    parser.add_argument("artifact", metavar="ARTIFACT", help=".pt2, .pt or .onnx artifact")
+    parser.add_argument("artifact", metavar="ARTIFACT", help="an artifact bladesmith.save wrote")
     parser.add_argument("repository", metavar="REPO_DIR", help="model repository folder")
     parser.add_argument("--name", help="model name (default: the file's stem)")
     parser.add_argument(
         "--backend",
         choices=("python", "pytorch_libtorch", "onnxruntime"),
-        help="default: pytorch_libtorch for .pt, onnxruntime for .onnx, python for .pt2",
+        help="default: the format's own Triton backend (bladesmith doctor lists them: "
+        "pytorch_libtorch for .pt, onnxruntime for .onnx), python for the others",
     )
     add_deployment_options(parser)
     parser.set_defaults(func=run_triton)

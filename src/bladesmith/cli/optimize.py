@@ -22,12 +22,15 @@ from bladesmith.cli.args import (
     output_file,
     pass_name,
     readable_file,
+    save_file,
 )
 from bladesmith.cli.models import DEFAULT_MODEL, MODEL_HELP, image_flags_advice, model_or_file
 from bladesmith.config import SETTINGS
 
 DEFAULT_INPUT_SIZE = (480, 640)
-SAVE_SUFFIXES = (".pt2", ".pt", ".onnx")  # spec.SAVE_FORMATS, without importing torch
+# The save formats are runtimes.formats.FORMATS', which imports torch: --out is checked
+# against them when given, and `bladesmith doctor` lists them.
+SAVE_HELP = "its suffix picks the format (bladesmith doctor lists the formats)"
 # A 2-core CPU takes seconds per call of the full detector: the demo times few runs there.
 DEMO_CPU_TIMING = (1, 3)
 
@@ -60,10 +63,10 @@ def add_parser(subparsers) -> None:
     add_trust_option(optimize)
     optimize.add_argument(
         "--out",
-        type=output_file(*SAVE_SUFFIXES),
+        type=save_file,
         metavar="PATH",
-        help="save the optimized model: .pt2 (AOTInductor), .pt (TorchScript) or .onnx; "
-        "passes whose result cannot be saved in that format are skipped",
+        help=f"save the optimized model; {SAVE_HELP}; passes whose result cannot be saved "
+        "in that format are skipped",
     )
     optimize.set_defaults(func=run_optimize)
 
@@ -80,9 +83,9 @@ def add_parser(subparsers) -> None:
     _add_run_options(demo)
     demo.add_argument(
         "--out",
-        type=output_file(*SAVE_SUFFIXES),
+        type=save_file,
         metavar="PATH",
-        help="save the optimized model (.pt2, .pt or .onnx)",
+        help=f"save the optimized model; {SAVE_HELP}",
     )
     demo.set_defaults(func=run_demo, model=DEFAULT_MODEL, weights=None)
 
@@ -96,7 +99,11 @@ def add_parser(subparsers) -> None:
         ),
     )
     bench.add_argument(
-        "artifacts", nargs="+", type=readable_file, metavar="ARTIFACT", help=".pt2 or .pt files"
+        "artifacts",
+        nargs="+",
+        type=readable_file,
+        metavar="ARTIFACT",
+        help="files bladesmith.save wrote",
     )
     add_trust_option(bench)
     bench.add_argument("--warmup", type=SETTINGS["warmup"].parse, help=SETTINGS["warmup"].doc)
@@ -206,7 +213,9 @@ def run_optimize(args: argparse.Namespace) -> int:
             bladesmith.save(optimized, args.out)
         console.print(f"saved: {args.out} (load with bladesmith.load)")
     else:
-        console.print(f"to save: {spec.save_hint}, or --out PATH")
+        from bladesmith.runtimes.formats import save_hint
+
+        console.print(f"to save: {save_hint(spec)}, or --out PATH")
     accurate = (report.accuracy or {}).get("passed", False)
     return 0 if accurate else 1
 

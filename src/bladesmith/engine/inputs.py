@@ -15,9 +15,10 @@ from torch import nn
 from bladesmith._files import contents, first_line, unreadable
 from bladesmith.devices import device_kind
 from bladesmith.errors import quiet_log
+from bladesmith.runtimes.aoti import SUFFIX as AOTI_SUFFIX
+from bladesmith.runtimes.onnxruntime import SUFFIX as ONNX_SUFFIX
 from bladesmith.runtimes.operator_allowlist import refused_in_exported
 from bladesmith.runtimes.torchscript import in_eval_mode, load_checked
-from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX
 from bladesmith.trust import UntrustedFileError, require
 
 

@@ -11,23 +11,16 @@ import torch
 from bladesmith import bench
 from bladesmith.bench import Speedup
 from bladesmith.engine.saved_formats import try_formats
-from bladesmith.onnx import user_ops
 from bladesmith.onnx.exporter import held_constants
-from bladesmith.ops import libraries
 from bladesmith.passes import registry
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context
 from bladesmith.report import PassRecord, Report, hardware_context, software_context
+from bladesmith.runtimes import torchscript
 from bladesmith.runtimes.built_for import tensors_in
+from bladesmith.runtimes.formats import FORMATS, in_order, save_hint
 from bladesmith.runtimes.torchscript import is_torchscript
-from bladesmith.spec import (
-    AOTI_SUFFIX,
-    ONNX_SUFFIX,
-    OUTPUT_AS_MODEL,
-    OUTPUT_PADDED,
-    TORCHSCRIPT_SUFFIX,
-    Spec,
-)
+from bladesmith.spec import OUTPUT_AS_MODEL, OUTPUT_PADDED, Spec
 
 
 def spec_of(best: Candidate, context: Context, saves_as: str | None) -> Spec:
@@ -75,15 +68,17 @@ def _save_formats(
 ) -> tuple[list[str], dict[str, str]]:
     """The formats ``save`` can write, the one closest to what runs first, and those left
     out (suffix: why; what the user's operators rule out is noted in the report too)."""
-    order = [AOTI_SUFFIX, TORCHSCRIPT_SUFFIX]
-    if context.device.type != "cuda":
-        order.reverse()
     left_out = _kind_refusals(best.module, context.device)
     for suffix, why in _operator_refusals(context.user_operators).items():
         if suffix not in left_out:
             left_out[suffix] = why
             context.notes.append(f"not saved as {suffix}: {why}")
-    formats = [each for each in (*order, ONNX_SUFFIX) if each not in left_out]
+    for suffix, each in FORMATS.items():
+        if each.only_its_pass and saves_as != suffix and suffix not in left_out:
+            left_out[suffix] = (
+                f"it holds only what its own pass builds, and this result runs as {best.backend}"
+            )
+    formats = [each for each in in_order(context.device) if each not in left_out]
     if saves_as in formats:  # what the backend runs comes first
         formats.remove(saves_as)
         formats.insert(0, saves_as)
@@ -101,33 +96,13 @@ def unreachable_formats(module, context: Context) -> dict[str, str]:
 
 
 def _kind_refusals(module, device: torch.device) -> dict[str, str]:
-    left_out = {}
-    if is_torchscript(module):
-        left_out[AOTI_SUFFIX] = "a TorchScript model does not go through torch.export"
-    if device.type != "cpu":
-        left_out[ONNX_SUFFIX] = (
-            f"bladesmith checks a saved {ONNX_SUFFIX} in ONNX Runtime on the CPU: optimize "
-            "with device='cpu' for one"
-        )
-    return left_out
+    refusals = {suffix: each.refuses(module, device) for suffix, each in FORMATS.items()}
+    return {suffix: why for suffix, why in refusals.items() if why}
 
 
 def _operator_refusals(operators) -> dict[str, str]:
-    left_out = {}
-    lacking = libraries.without_fake_kernel(operators)
-    if lacking:
-        left_out[AOTI_SUFFIX] = (
-            f"torch.export cannot trace {', '.join(lacking)} (no fake kernel; "
-            "torch.library.register_fake gives one)"
-        )
-    untranslated = sorted(op for op in operators if not user_ops.translation(op))
-    if untranslated:
-        has = "has" if len(untranslated) == 1 else "have"
-        left_out[ONNX_SUFFIX] = (
-            f"{', '.join(untranslated)} {has} no ONNX translation ({user_ops.REGISTER_CALL} "
-            "or --onnx-op gives one)"
-        )
-    return left_out
+    refusals = {suffix: each.refuses_operators(operators) for suffix, each in FORMATS.items()}
+    return {suffix: why for suffix, why in refusals.items() if why}
 
 
 def constant_argument_refusals(best: Candidate, context: Context) -> dict[str, str]:
@@ -138,9 +113,9 @@ def constant_argument_refusals(best: Candidate, context: Context) -> dict[str, s
     if not constants or is_torchscript(best.module):
         return {}
     return {
-        TORCHSCRIPT_SUFFIX: f"the test data passes non-tensor arguments ({', '.join(constants)}), "
-        f"which a trace cannot take; {AOTI_SUFFIX} (torch.export) and {ONNX_SUFFIX} keep them "
-        "as constants that they check on every call"
+        torchscript.SUFFIX: f"the test data passes non-tensor arguments "
+        f"({', '.join(constants)}), which a trace cannot take (torch.export and an ONNX "
+        "export keep them as constants that they check on every call)"
     }
 
 
@@ -154,15 +129,15 @@ def with_tried_formats(
     tolerance: dict,
 ) -> Spec:
     """``spec`` with its save formats tried: those saved, loaded back and whose outputs
-    ``judge`` passed on ``test_args`` stay listed. An AOTInductor package (minutes to
-    build) is left untried, for ``save`` to check; ``refused`` ones (suffix: why) are
-    not tried. ``tolerance`` is what the outputs were judged at."""
-    untried = {}
-    if AOTI_SUFFIX in spec.save_formats:
-        untried[AOTI_SUFFIX] = (
-            "not tried during optimize (an AOTInductor build takes minutes): "
-            "bladesmith.save builds it, loads it back and checks its outputs"
-        )
+    ``judge`` passed on ``test_args`` stay listed. A format that takes minutes to build
+    (an AOTInductor package) is left untried, for ``save`` to check; ``refused`` ones
+    (suffix: why) are not tried. ``tolerance`` is what the outputs were judged at."""
+    untried = {
+        suffix: f"not tried during optimize (a {FORMATS[suffix].description} takes minutes "
+        "to build): bladesmith.save builds it, loads it back and checks its outputs"
+        for suffix in spec.save_formats
+        if FORMATS[suffix].build_cost == "minutes"
+    }
     refused = {
         suffix: why
         for suffix, why in {**refused, **_dtype_refusals(spec)}.items()
@@ -256,7 +231,7 @@ def report_of(
         model_info={**model_info, "input_shapes": [list(s) for s in spec.input_shapes]},
         compatibility_list=[_compatibility(context.device, spec)],
         tolerance=spec.tolerance,
-        model_sdk={"load": "bladesmith.load(path)", "save": spec.save_hint},
+        model_sdk={"load": "bladesmith.load(path)", "save": save_hint(spec)},
     )
 
 

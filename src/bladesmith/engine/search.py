@@ -62,7 +62,8 @@ from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
 from bladesmith.progress import Progress
 from bladesmith.report import PassRecord, Report
-from bladesmith.spec import SAVE_FORMATS, Spec
+from bladesmith.runtimes.formats import FORMATS
+from bladesmith.spec import Spec
 from bladesmith.verify import degenerate_reasons
 
 
@@ -321,9 +322,11 @@ def _check_save_as(model, context: Context) -> None:
     """Refuse, before any pass runs, a ``save_as`` format that no result of ``model`` can
     be saved in."""
     save_as = context.config.save_as
+    if save_as is not None and save_as not in FORMATS:
+        raise SettingError(f"Config.save_as: expected one of {', '.join(FORMATS)}, got {save_as!r}")
     unreachable = unreachable_formats(model, context)
     if save_as in unreachable:
-        others = [each for each in SAVE_FORMATS if each not in unreachable]
+        others = [each for each in FORMATS if each not in unreachable]
         instead = f"; save as {' or '.join(others)}" if others else ""
         raise BladesmithError(
             f"the result is to be saved as {save_as} (Config(save_as=...), --out), which it "

@@ -451,25 +451,13 @@ def stored(artifact: str | os.PathLike) -> Path | None:
     return folder if (folder / _INDEX).is_file() else None
 
 
-def store_needed(
-    called: set[str], folder: Path, *, fake_kernels_for: str | None = None
-) -> list[dict]:
+def store_needed(called: set[str], folder: Path) -> list[dict]:
     """All that saving asks of the user's operator libraries: the user's operators among
-    ``called`` (``all_operators_called``), refused in one line where ``fake_kernels_for``
-    (a format's suffix, which traces them on fake tensors) lacks a fake kernel for one;
-    the libraries they come from copied into ``folder`` (a new, empty one) with an index;
-    their entries for the artifact's metadata: file, operators, SHA-256 (``restore``
-    loads nothing else)."""
-    from bladesmith.spec import TORCHSCRIPT_SUFFIX
-
+    ``called`` (``all_operators_called``; what a format refuses of them it says itself,
+    ``Format.refuses_operators``); the libraries they come from copied into ``folder`` (a
+    new, empty one) with an index; their entries for the artifact's metadata: file,
+    operators, SHA-256 (``restore`` loads nothing else)."""
     operators = {name for name in called if is_user_operator(name)}
-    lacking = without_fake_kernel(operators) if fake_kernels_for else []
-    if lacking:
-        raise BladesmithError(
-            f"save: {fake_kernels_for} needs torch.export, which cannot trace "
-            f"{', '.join(lacking)} (no fake kernel: register one with "
-            f"torch.library.register_fake); save as {TORCHSCRIPT_SUFFIX} instead"
-        )
     libraries = libraries_of(operators)
     names = [library.path.name for library in libraries]
     if len(set(names)) < len(names):

@@ -2,7 +2,7 @@
 
 Adapt the model first (fixed shapes, the head over all levels at once), then change its
 arithmetic (precision, convolution algorithm, memory format), then build what runs it
-(Inductor and a CUDA graph on the GPU; TorchScript or ONNX Runtime on the CPU). A
+(Inductor and a CUDA graph on the GPU; TorchScript, ONNX Runtime or OpenVINO on the CPU). A
 TorchScript model is frozen before cuDNN's autotuning and the CUDA graph wrap it.
 """
 
@@ -17,6 +17,7 @@ from bladesmith.passes.head_packing import HeadPacking
 from bladesmith.passes.inductor import Inductor
 from bladesmith.passes.norm_folding import NormFolding
 from bladesmith.passes.onnxruntime import OnnxRuntime
+from bladesmith.passes.openvino import OpenVino, OpenVinoF32
 from bladesmith.passes.precision import BFloat16, Float16, LinearBFloat16, RoIHeadsBFloat16
 from bladesmith.passes.registry import Context, Pass, PassSkipped, names, register
 from bladesmith.passes.torchscript import TorchScriptFreeze
@@ -40,6 +41,8 @@ ORDER = (
     CudnnBenchmark,
     CudaGraph,
     OnnxRuntime,
+    OpenVino,
+    OpenVinoF32,
 )
 for _pass in ORDER:
     register(_pass)

@@ -27,8 +27,9 @@ from bladesmith.onnx.sessions import without_spinning
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
 from bladesmith.runtimes.built_for import tensors_in
+from bladesmith.runtimes.onnxruntime import SUFFIX as ONNX_SUFFIX
 from bladesmith.runtimes.onnxruntime import OnnxRunnerPerShape, cpu_runner, export_for_any_batch
-from bladesmith.spec import ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
+from bladesmith.runtimes.torchscript import SUFFIX as TORCHSCRIPT_SUFFIX
 
 
 class OnnxRuntime(Pass):

@@ -24,8 +24,8 @@ from torch.utils import _pytree as pytree
 
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
+from bladesmith.runtimes.onnxruntime import SUFFIX as ONNX_SUFFIX
 from bladesmith.runtimes.torchscript import is_torchscript
-from bladesmith.spec import ONNX_SUFFIX
 from bladesmith.verify import dtype_name
 
 

@@ -77,7 +77,7 @@ class Pass:
     # A pass that rewrites the module's layers; a TorchScript module cannot be rewritten,
     # so the engine skips it there.
     rewrites_modules: ClassVar[bool] = False
-    # The save format (a suffix of ``bladesmith.spec``) whose file holds what this pass's
+    # The save format (a suffix of ``runtimes.formats.FORMATS``) whose file holds what this pass's
     # runner runs; when the pass builds the result's runner, that format is listed first.
     saves_as: ClassVar[str | None] = None
     # Save formats that would not run what this pass built, each with why: a result that

@@ -15,8 +15,8 @@ import torch
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.precision import AutocastFloats, CastFloats
 from bladesmith.passes.registry import Context, Pass
+from bladesmith.runtimes.torchscript import SUFFIX as TORCHSCRIPT_SUFFIX
 from bladesmith.runtimes.torchscript import freeze, is_torchscript, quiet_torchscript
-from bladesmith.spec import TORCHSCRIPT_SUFFIX
 
 
 class TorchScriptFreeze(Pass):

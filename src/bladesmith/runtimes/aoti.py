@@ -18,11 +18,11 @@ from bladesmith.onnx.exporter import baked_arguments
 from bladesmith.progress import Progress
 from bladesmith.runtimes import pt2_archive
 from bladesmith.runtimes.built_for import BuiltFor, describe_tensors, signature
-from bladesmith.spec import AOTI_SUFFIX, Spec
+from bladesmith.runtimes.format import Format
+from bladesmith.spec import Spec
 from bladesmith.trust import require
 
-SUFFIX = AOTI_SUFFIX
-NEEDS_FAKE_KERNELS = True  # torch.export traces the operators on fake tensors
+SUFFIX = ".pt2"
 # torch's refusal of a package built for a device this machine lacks.
 DEVICE_ERROR = "Cannot load AOTInductor package for device"
 
@@ -115,3 +115,39 @@ def batches_held(runs, spec: Spec) -> set[int]:
         and all(shape[1:] == want[1:] for shape, want in zip(built.shapes, shapes))
         and all(shape and shape[0] == built.shapes[0][0] for shape in built.shapes)
     }
+
+
+class AOTInductor(Format):
+    suffix = SUFFIX
+    description = "AOTInductor package (torch.export + AOTInductor, a model per input shape)"
+    devices = ("cuda", "cpu")
+    build_cost = "minutes"
+    zip_archive = True
+    needs_fake_kernels = True  # torch.export traces the operators on fake tensors
+    triton_backend = None
+    first_on = ("cuda",)
+
+    def refuses(self, module, device) -> str | None:
+        from bladesmith.runtimes.torchscript import is_torchscript
+
+        if is_torchscript(module):
+            return "a TorchScript model does not go through torch.export"
+        return None
+
+    def refuses_operators(self, operators) -> str | None:
+        from bladesmith.ops import libraries
+
+        lacking = libraries.without_fake_kernel(operators)
+        if lacking:
+            return (
+                f"torch.export cannot trace {', '.join(lacking)} (no fake kernel; "
+                "torch.library.register_fake gives one)"
+            )
+        return None
+
+    write = staticmethod(write)
+    metadata = staticmethod(metadata)
+    read = staticmethod(read)
+
+
+FORMAT = AOTInductor()

@@ -1,11 +1,8 @@
-"""The saved formats, by suffix: the module of ``runtimes`` that writes, reads and runs
-each. ``artifact.save`` and ``artifact.load`` dispatch through ``FORMATS``.
+"""The saved formats, by suffix: each a ``format.Format`` filled by one module of
+``runtimes``, which writes, reads and runs it. ``artifact.save`` and ``artifact.load``,
+the engine, the CLI and ``export triton`` ask ``FORMATS`` which formats exist and what
+each takes.
 
-Each module has ``SUFFIX``; ``NEEDS_FAKE_KERNELS`` (it traces the operators on fake
-tensors); ``write(module, calls, path, metadata, key=..., **options)``, which writes
-``path`` and completes ``metadata`` with what its reader needs; ``metadata(path, key)``,
-bladesmith's metadata as JSON read without loading the model (or None); and
-``read(path, info)``, the runner (or {BuiltFor: runner} for a file of several models).
 ``write`` puts a file and its operator libraries in place together, ``metadata_of`` and
 ``read`` take them back, saying in one line why a file cannot be.
 """
@@ -19,10 +16,14 @@ from pathlib import Path
 from bladesmith._files import contents, first_line, replacing, unreadable
 from bladesmith.errors import BladesmithError, MissingFileError, NotAnArtifactError
 from bladesmith.ops import libraries
-from bladesmith.runtimes import aoti, onnxruntime, torchscript
+from bladesmith.runtimes import aoti, onnxruntime, openvino, torchscript
+from bladesmith.runtimes.format import Format
 from bladesmith.trust import UntrustedFileError
 
-FORMATS = {each.SUFFIX: each for each in (aoti, torchscript, onnxruntime)}
+FORMATS: dict[str, Format] = {
+    each.suffix: each
+    for each in (aoti.FORMAT, torchscript.FORMAT, onnxruntime.FORMAT, openvino.FORMAT)
+}
 
 METADATA_KEY = "bladesmith"  # in AOTInductor metadata, TorchScript extra files, ONNX properties
 
@@ -38,7 +39,7 @@ def metadata_of(path: Path) -> dict:
         known = ", ".join(FORMATS)
         raise BladesmithError(f"load: {str(path)!r} has an unknown suffix; expected {known}")
     # torch's loaders log their failures before raising: say it here, in one line.
-    if path.suffix != onnxruntime.SUFFIX and not zipfile.is_zipfile(path):
+    if FORMATS[path.suffix].zip_archive and not zipfile.is_zipfile(path):
         raise cannot_load(path, "not a ZIP archive")
     try:
         metadata = FORMATS[path.suffix].metadata(path, METADATA_KEY)
@@ -67,11 +68,13 @@ def write(module, calls: list[tuple], path: Path, metadata: dict, form: str, **o
     written beside their targets, then put in place together (``_files.replacing``)."""
     runtime = FORMATS[form]
     with replacing(path, libraries.folder_beside(path)) as (file, folder):
-        fake_kernels_for = runtime.SUFFIX if runtime.NEEDS_FAKE_KERNELS else None
         called = libraries.all_operators_called(module, calls[0])
-        metadata["libraries"] = libraries.store_needed(
-            called, folder, fake_kernels_for=fake_kernels_for
+        refused = runtime.refuses_operators(
+            {name for name in called if libraries.is_user_operator(name)}
         )
+        if refused:
+            raise BladesmithError(f"save: {form} refused: {refused}")
+        metadata["libraries"] = libraries.store_needed(called, folder)
         metadata["torchvision_operators"] = any(name.startswith("torchvision::") for name in called)
         runtime.write(module, calls, file, metadata, key=METADATA_KEY, name=path.name, **options)
 
@@ -84,6 +87,9 @@ def read(path: Path, info: dict, trust: bool = False):
     allowlist) is refused unless ``trust`` (``bladesmith.trust``)."""
     from bladesmith import ops
 
+    missing = FORMATS[path.suffix].missing_package()
+    if missing:
+        raise BladesmithError(f"load: cannot load {str(path)!r}: {missing}")
     # Importing torchvision (1.2 s of a 1.6 s load on a 2-core CPU) registers its
     # operators: an artifact written before this was recorded may call them.
     ops_error = ops.load_builtin(torchvision=info.get("torchvision_operators", True) is not False)
@@ -98,3 +104,22 @@ def read(path: Path, info: dict, trust: bool = False):
             raise operator from None
         hint = f"; bladesmith's custom operators did not load: {ops_error}" if ops_error else ""
         raise cannot_load(path, first_line(error), hint) from error
+
+
+def in_order(device) -> list[str]:
+    """Every suffix, those first on ``device``'s kind first."""
+    return sorted(FORMATS, key=lambda suffix: device.type not in FORMATS[suffix].first_on)
+
+
+def listing() -> str:
+    """The suffixes with what each holds, for messages."""
+    return ", ".join(f"{suffix} ({each.description})" for suffix, each in FORMATS.items())
+
+
+def save_hint(spec) -> str:
+    """How to save a result whose spec is ``spec``, in its best verified format."""
+    if not spec.save_formats:
+        refused = "; ".join(f"{k}: {why}" for k, why in spec.refused_formats.items())
+        return f"no format was saved and loaded with the same outputs ({refused})"
+    suffix = spec.save_formats[0]
+    return f'bladesmith.save(optimized, "model{suffix}"): {FORMATS[suffix].description}'

@@ -20,10 +20,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bladesmith.runtimes.built_for import follows_the_batch, tensors_in
-from bladesmith.spec import ONNX_SUFFIX
+from bladesmith.runtimes.format import Format
 
-SUFFIX = ONNX_SUFFIX
-NEEDS_FAKE_KERNELS = False
+SUFFIX = ".onnx"
 
 
 class OnnxRunner:
@@ -193,3 +192,32 @@ def read(path: Path, info: dict, trust: bool = False) -> OnnxRunner:
     (its operator libraries are ``formats.read``'s)."""
     output_spec = pytree.treespec_loads(info["output_spec"])
     return cpu_runner(path, output_spec, tuple(info.get("none_outputs", ())))
+
+
+class OnnxRuntime(Format):
+    suffix = SUFFIX
+    description = "ONNX for ONNX Runtime on the CPU (bladesmith.onnx.export)"
+    devices = ("cpu",)
+    build_cost = "seconds"
+    zip_archive = False
+    needs_fake_kernels = False
+    triton_backend = "onnxruntime"
+
+    def refuses_operators(self, operators) -> str | None:
+        from bladesmith.onnx import user_ops
+
+        untranslated = sorted(op for op in operators if not user_ops.translation(op))
+        if untranslated:
+            has = "has" if len(untranslated) == 1 else "have"
+            return (
+                f"{', '.join(untranslated)} {has} no ONNX translation "
+                f"({user_ops.REGISTER_CALL} or --onnx-op gives one)"
+            )
+        return None
+
+    write = staticmethod(write)
+    metadata = staticmethod(metadata)
+    read = staticmethod(read)
+
+
+FORMAT = OnnxRuntime()

@@ -20,13 +20,12 @@ from torch.utils import _pytree as pytree
 
 from bladesmith.errors import BladesmithError
 from bladesmith.runtimes.built_for import BuiltFor, Checked, follows_the_batch
+from bladesmith.runtimes.format import Format
 from bladesmith.runtimes.operator_allowlist import refused_in_script_module
-from bladesmith.spec import TORCHSCRIPT_SUFFIX
 from bladesmith.trust import require
 from bladesmith.verify.detections import contains_detections
 
-SUFFIX = TORCHSCRIPT_SUFFIX
-NEEDS_FAKE_KERNELS = False
+SUFFIX = ".pt"
 
 
 def write(module, calls: list[tuple], path: Path, metadata: dict, *, key: str, **_) -> None:
@@ -266,3 +265,23 @@ def _read_on_host(value: torch._C.Value, hops: int = _HOPS) -> bool:
         if hops > 1 and any(_read_on_host(output, hops - 1) for output in user.outputs()):
             return True
     return False
+
+
+class TorchScript(Format):
+    suffix = SUFFIX
+    description = "frozen TorchScript (torch.jit.trace + freeze)"
+    devices = ("cuda", "cpu", "mps")
+    build_cost = "seconds"
+    zip_archive = True
+    needs_fake_kernels = False
+    triton_backend = "pytorch_libtorch"
+
+    def refuses(self, module, device) -> str | None:
+        return None  # a trace runs wherever torch does
+
+    write = staticmethod(write)
+    metadata = staticmethod(metadata)
+    read = staticmethod(read)
+
+
+FORMAT = TorchScript()

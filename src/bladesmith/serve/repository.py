@@ -35,20 +35,26 @@ from bladesmith.errors import BladesmithError, NotAnArtifactError
 from bladesmith.onnx import custom_nodes
 from bladesmith.ops import libraries as operator_libraries
 from bladesmith.ops.namespaces import registered_from_python_only
+from bladesmith.runtimes.formats import FORMATS
 from bladesmith.serve.signature import NUMPY_DTYPES, TRITON_DTYPES, Signature, TensorSpec
-from bladesmith.spec import AOTI_SUFFIX, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 from bladesmith.trust import require
 
-BACKENDS = ("python", "pytorch_libtorch", "onnxruntime")
-# The files each backend runs: a wrong pair would write a repository Triton cannot load.
+# The files each backend runs, as each format says (Format.triton_backend): a wrong pair
+# would write a repository Triton cannot load. The Python backend runs any artifact.
 BACKEND_SUFFIXES = {
-    "python": (AOTI_SUFFIX, TORCHSCRIPT_SUFFIX, ONNX_SUFFIX),
-    "pytorch_libtorch": (TORCHSCRIPT_SUFFIX,),
-    "onnxruntime": (ONNX_SUFFIX,),
+    "python": tuple(FORMATS),
+    **{each.triton_backend: (suffix,) for suffix, each in FORMATS.items() if each.triton_backend},
 }
-_BACKENDS_TAKE = (
-    "pytorch_libtorch takes a TorchScript .pt, onnxruntime a .onnx, python any bladesmith "
-    "artifact (.pt2, .pt or .onnx)"
+BACKENDS = tuple(BACKEND_SUFFIXES)
+_BACKENDS_TAKE = ", ".join(
+    [
+        *(
+            f"{backend} takes a {suffixes[0]}"
+            for backend, suffixes in BACKEND_SUFFIXES.items()
+            if backend != "python"
+        ),
+        f"python any bladesmith artifact ({', '.join(FORMATS)})",
+    ]
 )
 # Triton names a model by its folder; letters, digits, '_', '-' and '.' (not first) are
 # safe everywhere (URLs, file systems, metric labels).
@@ -75,9 +81,9 @@ class Deployment:
 
 
 def default_backend(artifact: Path) -> str:
-    return {TORCHSCRIPT_SUFFIX: "pytorch_libtorch", ONNX_SUFFIX: "onnxruntime"}.get(
-        artifact.suffix, "python"
-    )
+    """The format's own Triton backend, else the Python backend."""
+    each = FORMATS.get(artifact.suffix)
+    return (each.triton_backend if each is not None else None) or "python"
 
 
 def write_repository(

@@ -1,0 +1,135 @@
+"""bladesmith's saved artifact against OpenVINO used by hand, on the CPU, in one process.
+
+Each model is optimized (level o1, on the CPU), saved in the format its report measured,
+and loaded back; OpenVINO by hand is what a user would write: ``ov.convert_model(model,
+example_input=...)`` and ``compile_model(..., "CPU", {"PERFORMANCE_HINT": "LATENCY"})``,
+nothing else tuned. The model as given, the loaded artifact and OpenVINO then run in
+``--rounds`` interleaved rounds of ``--iters`` calls each; the table gives each one's
+median latency over all its calls and its speedup over the model as given (the median
+of the rounds' ratios, with their lowest and highest). Where OpenVINO cannot convert the
+model as given, the line says why.
+
+    python3 benchmarks/openvino_vs_bladesmith.py [--models resnet50,mobilenet_v3_large,
+        convnext_tiny,retinanet] [--rounds 10] [--iters 5]
+
+Torchvision models with random weights (``weights=None``) at 224x224, batch 1; RetinaNet
+is the demo's (``models.catalog.build_retinanet``) at 320x416 on a photograph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import bladesmith
+
+SEED = 0
+TORCHVISION = ("resnet50", "mobilenet_v3_large", "convnext_tiny")
+
+
+def build(name: str):
+    """(model, args) of a model by name, weights from ``SEED``."""
+    import torchvision
+
+    from bladesmith.images import sample_images
+    from bladesmith.models.catalog import build_retinanet
+
+    torch.manual_seed(SEED)
+    if name == "retinanet":
+        size = (320, 416)
+        return build_retinanet(size), (list(sample_images(1, size)),)
+    if name in TORCHVISION:
+        return getattr(torchvision.models, name)(weights=None).eval(), (torch.rand(1, 3, 224, 224),)
+    raise SystemExit(f"--models: unknown model {name!r} ({', '.join([*TORCHVISION, 'retinanet'])})")
+
+
+def openvino_by_hand(model, args):
+    """OpenVINO as its documentation shows it, or the first line of why it failed."""
+    import openvino as ov
+
+    try:
+        example = args[0] if len(args) == 1 else args
+        converted = ov.convert_model(model, example_input=example)
+        compiled = ov.Core().compile_model(converted, "CPU", {"PERFORMANCE_HINT": "LATENCY"})
+    except Exception as error:  # the converter raises its own kinds
+        return None, f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
+    inputs = [x.numpy() for x in args if isinstance(x, torch.Tensor)]
+    return (lambda: compiled(inputs)), None
+
+
+def timed(run, iters: int) -> list[float]:
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def interleaved(runs: dict, rounds: int, iters: int) -> dict:
+    """Each run's calls in turn, round after round: {name: (all times, per-round medians)}."""
+    for run in runs.values():  # warm-up
+        timed(run, 2)
+    times = {name: [] for name in runs}
+    medians = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            each = timed(run, iters)
+            times[name] += each
+            medians[name].append(statistics.median(each))
+    return {name: (times[name], medians[name]) for name in runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join([*TORCHVISION, "retinanet"]))
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=5)
+    options = parser.parse_args()
+    if options.rounds < 1 or options.iters < 1:
+        parser.error("--rounds and --iters must be at least 1")
+    print(f"torch threads {torch.get_num_threads()}; {options.rounds} rounds x {options.iters}")
+    for name in options.models.split(","):
+        print(compared(name, options.rounds, options.iters), flush=True)
+
+
+def compared(name: str, rounds: int, iters: int) -> str:
+    """The lines of one model: what optimize kept, then each run's latency and speedup."""
+    model, args = build(name)
+    started = time.perf_counter()
+    optimized, spec, report = bladesmith.optimize(
+        model, "o1", device="cpu", test_data=[args], config=bladesmith.Config(progress=False)
+    )
+    took = time.perf_counter() - started
+    suffix = spec.save_formats[0]
+    with tempfile.TemporaryDirectory() as folder:
+        loaded = bladesmith.load(bladesmith.save(optimized, Path(folder) / f"m{suffix}"))
+    by_hand, why = openvino_by_hand(model, args)
+    with torch.no_grad():
+        runs = {"eager": lambda: model(*args), "bladesmith": lambda: loaded(*args)}
+        if by_hand is not None:
+            runs["openvino"] = by_hand
+        result = interleaved(runs, rounds, iters)
+    eager = result["eager"][1]
+    lines = [f"{name}: kept {','.join(spec.passes) or 'nothing'} ({took:.0f} s), saved {suffix}"]
+    for who, (times, medians) in result.items():
+        ratios = [e / m for e, m in zip(eager, medians)]
+        lines.append(
+            f"  {who:<10} p50 {statistics.median(times) * 1e3:8.2f} ms  "
+            f"{statistics.median(ratios):5.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
+        )
+    if why is not None:
+        lines.append(f"  openvino   not converted as given: {why}")
+    for record in report.optimizations:  # what bladesmith's own OpenVINO passes did
+        if record.name.startswith("openvino"):
+            lines.append(f"  pass {record.name}: {record.status}: {record.reason}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""The openvino pass and the .ov format: torchvision models no part of bladesmith was
+written for, optimized, saved, reloaded in a new process with the same outputs; the
+settings recorded and applied on load; an operator the converter cannot take refused
+by name; a file loaded where openvino is missing refused in one line; Triton export."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import bladesmith
+from bladesmith.config import Config
+from bladesmith.passes.openvino import OpenVino, OpenVinoF32
+from engine_testing import USER_OPERATOR
+from test_reload import reload_in_new_process
+
+pytest.importorskip("openvino")
+
+
+def optimized_with_openvino(model, x, **settings):
+    config = Config(warmup=1, iters=5, save_as=".ov", progress=False, **settings)
+    return bladesmith.optimize(
+        model, device="cpu", test_data=[(x,)], config=config, passes=[OpenVino(), OpenVinoF32()]
+    )
+
+
+@pytest.fixture(scope="module")
+def mobilenet():
+    torch.manual_seed(0)
+    model = torchvision.models.mobilenet_v3_small(weights=None).eval()
+    x = torch.rand(1, 3, 64, 64)
+    return (model, x, *optimized_with_openvino(model, x, openvino_threads=1, openvino_streams=1))
+
+
+@pytest.mark.parametrize(
+    "name, size",
+    [pytest.param("resnet18", 64, marks=pytest.mark.slow), ("mobilenet_v3_small", 64)],
+    ids=["resnet18", "mobilenet"],
+)
+def test_a_torchvision_model_runs_in_openvino_and_reloads_in_a_new_process(
+    name, size, tmp_path, mobilenet
+):
+    if name == "mobilenet_v3_small":
+        model, x, optimized, spec, report = mobilenet
+    else:
+        torch.manual_seed(0)
+        model = getattr(torchvision.models, name)(weights=None).eval()
+        x = torch.rand(1, 3, size, size)
+        optimized, spec, report = optimized_with_openvino(model, x)
+    records = {record.name: record for record in report.optimizations}
+    assert spec.backend == "openvino", records["openvino"].reason
+    assert spec.save_formats == (".ov",)
+    # Its precision is what OpenVINO compiled in, and the result's dtype says it.
+    note = next(line for line in report.diagnosis["notes"] if line.startswith("openvino "))
+    precision = note.split("INFERENCE_PRECISION_HINT=")[1].split()[0]
+    assert spec.dtype == {"f32": "float32", "bf16": "bfloat16"}[precision]
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x), rtol=1e-3, atol=1e-4)
+        expected = optimized(x)
+    path = bladesmith.save(optimized, tmp_path / "model.ov")
+    assert reload_in_new_process(path, (x,), expected, tmp_path).startswith("cpu ")
+
+
+def test_settings_are_recorded_applied_on_load_and_reported(mobilenet, tmp_path):
+    _, x, optimized, spec, report = mobilenet
+    assert any(
+        "INFERENCE_NUM_THREADS=1, NUM_STREAMS=1" in line for line in report.diagnosis["notes"]
+    )
+    loaded = bladesmith.load(bladesmith.save(optimized, tmp_path / "m.ov"))
+    loaded(x)
+    runner = loaded._run.runs[next(iter(loaded._run.runs))]
+    assert runner.settings == {
+        "PERFORMANCE_HINT": "LATENCY",
+        "INFERENCE_NUM_THREADS": 1,
+        "NUM_STREAMS": 1,
+    }
+    assert runner.used()["INFERENCE_NUM_THREADS"] == "1"
+
+
+class UsesTheOperator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        return torch.ops.userops_test.scale_clip(self.conv(x), 2.0, 1.5)
+
+
+def test_a_user_operator_is_refused_by_name(user_library):
+    x = torch.rand(1, 3, 16, 16)
+    optimized, spec, report = bladesmith.optimize(
+        UsesTheOperator().eval(),
+        device="cpu",
+        test_data=[(x,)],
+        config=Config(warmup=0, iters=1, progress=False),
+        passes=[OpenVino()],
+    )
+    (record,) = report.optimizations
+    assert record.status == "skipped" and USER_OPERATOR in record.reason
+    assert USER_OPERATOR in spec.refused_formats[".ov"]
+
+
+_WITHOUT_OPENVINO = """
+import sys
+sys.modules["openvino"] = None  # as if it were not installed: its import fails
+from bladesmith.cli import main
+sys.exit(main(["bench", sys.argv[1]]))
+"""
+
+
+def test_a_file_loaded_without_openvino_names_the_package_in_one_line(mobilenet, tmp_path):
+    _, _, optimized, _, _ = mobilenet
+    path = bladesmith.save(optimized, tmp_path / "m.ov")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_OPENVINO, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "openvino" in lines[0] and "pip install" in lines[0] and str(path) in lines[0]
+
+
+def test_export_triton_serves_it_through_the_python_backend(mobilenet, tmp_path):
+    from bladesmith.serve.repository import write_repository
+
+    _, _, optimized, _, _ = mobilenet
+    path = bladesmith.save(optimized, tmp_path / "m.ov")
+    model_dir = write_repository(path, tmp_path / "repo")
+    assert 'backend: "python"' in (model_dir / "config.pbtxt").read_text()
+    assert (model_dir / "1" / "m.ov").is_file() and (model_dir / "1" / "model.py").is_file()
+
+
+def test_doctor_lists_openvino_and_its_devices():
+    from bladesmith.environment import _shown_packages, installed_packages
+
+    (shown,) = [p for p in _shown_packages(installed_packages(), {}) if p.name == "openvino"]
+    assert shown.version is not None and shown.detail.startswith("devices: CPU (")
+
+
+def test_a_detector_pipeline_calling_bladesmith_operators_is_refused_by_name():
+    from bladesmith.passes import Candidate
+    from bladesmith.passes.fixed_shape import FixedShape
+    from engine_testing import context_for, tiny_detector
+
+    model, photos = tiny_detector()
+    context = context_for((photos,))
+    pipeline = FixedShape().apply(Candidate(module=model, device=torch.device("cpu")), context)
+    reason = OpenVino().skip_reason(pipeline, context)
+    assert reason.startswith("OpenVINO's PyTorch converter has no rule for bladesmith::")
