@@ -95,6 +95,7 @@ class Format(abc.ABC):
         None where the file has none."""
 
     @abc.abstractmethod
-    def read(self, path: Path, info: dict):
+    def read(self, path: Path, info: dict, trust: bool = False):
         """The runner of the file (or {BuiltFor: runner} for a file of several models);
-        ``info``: its metadata."""
+        ``info``: its metadata. What would run code the file brings is refused unless
+        ``trust`` (``bladesmith.trust.require``)."""

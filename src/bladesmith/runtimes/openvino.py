@@ -163,7 +163,9 @@ def metadata(path: Path, key: str) -> str | None:
         return archive.read(name).decode() if name in archive.namelist() else None
 
 
-def read(path: Path, info: dict) -> OpenVinoRunner:
+def read(path: Path, info: dict, trust: bool = False) -> OpenVinoRunner:
+    """OpenVINO's graph and weights, read from memory with no extension loaded: the
+    file brings no code, so ``trust`` changes nothing."""
     import openvino
 
     with zipfile.ZipFile(path) as archive:
