@@ -43,8 +43,9 @@ _current: contextvars.ContextVar[Config | None] = contextvars.ContextVar(
 class Setting:
     """One setting: its ``kind`` ("bool", "int", "number", "choice", "names", a pass
     name or several, or "suffix", a format's), whether None is allowed (``optional``:
-    None then means the default ``doc`` gives), its range (``low``/``high``, ``low`` excluded when ``above``) or its
-    ``choices``, and what it does (``doc``, as docs/optimize.md lists it)."""
+    None then means the default ``doc`` gives), its range (``low``/``high``, ``low``
+    excluded when ``above``) or its ``choices``, and what it does (``doc``, as
+    docs/optimize.md lists it)."""
 
     name: str
     kind: str
