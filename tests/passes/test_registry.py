@@ -25,6 +25,8 @@ def test_registry_lists_builtin_passes_in_order_and_refuses_duplicates():
         "cudnn_benchmark",
         "cuda_graph",
         "onnxruntime",
+        "openvino",
+        "openvino_f32",
     ]
     summaries = {name: summary for name, _, _, summary in registry.describe()}
     assert all(summaries.values()), summaries
