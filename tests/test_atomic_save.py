@@ -18,6 +18,7 @@ import torch
 import bladesmith
 from bladesmith import _files
 from bladesmith.fresh_load import run_saved
+from bladesmith.runtimes import torchscript
 from test_artifact import optimized_net
 
 
@@ -37,7 +38,7 @@ def test_a_failed_write_leaves_the_previous_artifact_and_its_folder(tmp_path, mo
         path.write_bytes(b"half a model")
         raise OSError("disk full")
 
-    monkeypatch.setattr("bladesmith.runtimes.torchscript.write", broken)
+    monkeypatch.setattr(torchscript.FORMAT, "write", broken)  # the writer FORMATS calls
     with pytest.raises(OSError, match="disk full"):
         bladesmith.save(optimized, path)
     assert path.read_bytes() == before and _names(tmp_path) == ["net.pt", "net.pt.libs"]
@@ -69,7 +70,7 @@ def stalled(module, calls, path, metadata, **options):
     print("writing", flush=True)
     time.sleep(600)
 
-torchscript.write = stalled
+torchscript.FORMAT.write = stalled
 bladesmith.save(optimized, {path!r})
 """
 
