@@ -110,7 +110,10 @@ def test_a_scripted_list_of_dicts_model_is_optimized_before_its_first_call(devic
             assert report.accuracy["passed"], report.accuracy["summary"]
             assert ".pt" in spec.save_formats, spec.refused_formats
             other = torch.rand(3, 32, 32, device=device) * 255
-            torch.testing.assert_close(optimized([{"image": other}]), model([{"image": other}]))
+            # Freezing fuses the convolutions' arithmetic: 1.5e-5 apart in one run here.
+            torch.testing.assert_close(
+                optimized([{"image": other}]), model([{"image": other}]), rtol=1e-4, atol=1e-4
+            )
         print("ok")
         """.replace("DEVICE", repr(device)),
         tmp_path,
