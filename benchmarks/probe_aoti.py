@@ -125,6 +125,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, default=Path("out"))
+    parser.add_argument(
+        "--modes", nargs="+", default=["default", "max-autotune-no-cudagraphs", "max-autotune"]
+    )
     options = parser.parse_args()
     options.out.mkdir(parents=True, exist_ok=True)
     stack = _stack_library(options.out)
@@ -158,7 +161,7 @@ def main() -> None:
     if options.device != "cuda":
         return
     resnet = "torchvision.models.resnet50(weights=None)"
-    for mode in ("max-autotune-no-cudagraphs", "max-autotune"):
+    for mode in options.modes:
         path = options.out / f"resnet50-{mode}.cache"
         fields = {"model": resnet, "shape": "1, 3, 224, 224", "mode": mode}
         if (
