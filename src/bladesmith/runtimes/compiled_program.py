@@ -6,8 +6,11 @@ result saves in it.
 A ``.ptc`` is a ZIP archive, stored uncompressed, of ``program_N.pt2`` (what
 ``torch.export.save`` writes, read back without pickle by ``pt2_archive``),
 ``inductor.bin`` (``torch.compiler.save_cache_artifacts()`` after compiling those
-programs: Inductor's and AOTAutograd's cache entries, generated code and shared
-libraries) and bladesmith's metadata (``bladesmith.json``: the settings it was compiled
+programs: Inductor's and AOTAutograd's cache entries, generated code, on a GPU Triton's
+compiled kernels), on a CPU ``kernels/`` (the shared libraries Inductor built from its
+C++ kernels, which torch's cache entries hold only as source: without them the first
+call at load compiles the C++ again, a minute for a ResNet-50) and bladesmith's
+metadata (``bladesmith.json``: the settings it was compiled
 with, torch's and Triton's versions, the device, the shapes, each member's SHA-256).
 Loading puts the compiled code in Inductor's caches (``load_cache_artifacts``) and
 compiles each program with the same settings: the first call finds everything in the
@@ -36,11 +39,14 @@ the same result copies it instead of compiling again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
+import re
 import sys
 import time
+import unittest.mock
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +64,9 @@ from bladesmith.trust import require
 SUFFIX = ".ptc"
 _PROGRAM = "program_{}.pt2"
 _COMPILED = "inductor.bin"
+_KERNELS = "kernels/"
+# A C++ kernel's library in Inductor's cache folder: "<2 characters>/<key>.main.so".
+_KERNEL = re.compile(r"[a-z0-9]{2}/[a-z0-9]+\.main\.so")
 # The Inductor settings a .ptc records and compiles with, and their defaults.
 SETTINGS = {"max_autotune": False, "freezing": False}
 # Set by the inductor pass on what it compiled: the settings it compiled with.
@@ -160,12 +169,13 @@ def write(
         programs.append(buffer.getvalue())
     where = environment(device)
     cache_key = _cache_key(programs, chosen, where)
-    blob, build_seconds, from_cache = _compiled_code(
+    blob, kernels, build_seconds, from_cache = _compiled_code(
         programs, calls, chosen, cache_key, progress, name
     )
     members = {_PROGRAM.format(i): data for i, data in enumerate(programs)}
     if blob is not None:
         members[_COMPILED] = blob
+        members.update({_KERNELS + kernel: data for kernel, data in kernels.items()})
     metadata["inputs"] = {"free_batch": False, "why": "torch.export fixed its shapes"}
     metadata["models"] = [
         {
@@ -203,16 +213,21 @@ def _cache_key(programs: list[bytes], chosen: dict, where: dict) -> str:
 
 def _compiled_code(programs, calls, chosen, cache_key, progress, name):
     """(Inductor's compiled code for ``programs``, or None where torch's caches keep
-    none; the seconds compiling took; whether it came from bladesmith's cache)."""
-    folder = cache_folder()
-    code, record = folder / f"{cache_key}.bin", folder / f"{cache_key}.json"
+    none; the C++ kernels' libraries, by their place in Inductor's cache folder; the
+    seconds compiling took; whether it came from bladesmith's cache)."""
+    folder = cache_folder() / cache_key
+    record = folder / "record.json"
     if record.exists():
-        seconds = json.loads(record.read_text())["build_seconds"]
-        return (code.read_bytes() if code.exists() else None), seconds, True
+        saved = json.loads(record.read_text())
+        code = folder / _COMPILED
+        kernels = {
+            each: (folder / each.replace("/", "_")).read_bytes() for each in saved["kernels"]
+        }
+        return (code.read_bytes() if code.exists() else None), kernels, saved["seconds"], True
     from torch.compiler._cache import CacheArtifactManager
 
     start = time.perf_counter()
-    with CacheArtifactManager.with_fresh_cache():
+    with CacheArtifactManager.with_fresh_cache(), _cpp_kernels_built() as built:
         for number, (data, args) in enumerate(zip(programs, calls), 1):
             step = f"saving {name}: Inductor compiling for {describe_tensors(signature(args))}"
             if len(calls) > 1:
@@ -223,11 +238,46 @@ def _compiled_code(programs, calls, chosen, cache_key, progress, name):
         saved = torch.compiler.save_cache_artifacts()
     seconds = time.perf_counter() - start
     blob = saved[0] if saved is not None else None
+    kernels = _libraries(built) if blob is not None else {}
     folder.mkdir(parents=True, exist_ok=True)
     if blob is not None:
-        _write_atomically(code, blob)
-    _write_atomically(record, json.dumps({"build_seconds": seconds}).encode())
-    return blob, seconds, False
+        _write_atomically(folder / _COMPILED, blob)
+    for each, data in kernels.items():
+        _write_atomically(folder / each.replace("/", "_"), data)
+    summary = {"seconds": seconds, "kernels": sorted(kernels)}
+    _write_atomically(record, json.dumps(summary).encode())
+    return blob, kernels, seconds, False
+
+
+@contextlib.contextmanager
+def _cpp_kernels_built():
+    """The C++ kernels Inductor writes (or finds written) while inside, as the paths of
+    their sources in its cache folder: what its compiled graphs load at their first call."""
+    from torch._inductor import codecache
+
+    sources: list[str] = []
+    write_source = codecache.write
+
+    def recording(content, extension, *args, **kwargs):
+        written = write_source(content, extension, *args, **kwargs)
+        if extension == "main.cpp":
+            sources.append(written[1])
+        return written
+
+    with unittest.mock.patch.object(codecache, "write", recording):
+        yield sources
+
+
+def _libraries(sources: list[str]) -> dict[str, bytes]:
+    """The libraries built from C++ kernel ``sources``, by their place in Inductor's cache
+    folder ("ab/cabc….main.so")."""
+    found = {}
+    for source in sources:
+        library = Path(source).with_suffix(".so")
+        place = f"{library.parent.name}/{library.name}"
+        if library.exists() and _KERNEL.fullmatch(place):
+            found[place] = library.read_bytes()
+    return found
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -253,6 +303,12 @@ def read(path: Path, info: dict, trust: bool = False) -> dict[BuiltFor, Callable
     with zipfile.ZipFile(path) as archive:
         names = set(archive.namelist())
         members = {m: archive.read(m) for m in saved["sha256"] if m in names}
+    # The metadata (a top-level JSON) aside, every member is recorded.
+    unrecorded = sorted(
+        name for name in names - set(saved["sha256"]) if "/" in name or not name.endswith(".json")
+    )
+    if unrecorded:
+        raise BladesmithError(f"{unrecorded[0]} is not recorded in its metadata")
     for member, digest in saved["sha256"].items():
         if member in members and hashlib.sha256(members[member]).hexdigest() != digest:
             raise BladesmithError(
@@ -264,7 +320,8 @@ def read(path: Path, info: dict, trust: bool = False) -> dict[BuiltFor, Callable
         raise BladesmithError(
             f"it was compiled for {saved['device']} and this machine has no CUDA device"
         )
-    _load_compiled_code(path, saved, members.get(_COMPILED), device)
+    kernels = {m[len(_KERNELS) :]: data for m, data in members.items() if m.startswith(_KERNELS)}
+    _load_compiled_code(path, saved, members.get(_COMPILED), kernels, device)
     why = info["inputs"]["why"]
     runs = {}
     for model in info["models"]:
@@ -278,9 +335,10 @@ def read(path: Path, info: dict, trust: bool = False) -> dict[BuiltFor, Callable
     return runs
 
 
-def _load_compiled_code(path: Path, saved: dict, blob: bytes | None, device) -> None:
-    """Inductor's caches filled from ``blob``; where it cannot serve, one line on stderr
-    saying that the programs compile again, and why."""
+def _load_compiled_code(path: Path, saved: dict, blob: bytes | None, kernels: dict, device):
+    """Inductor's caches filled from ``blob`` and ``kernels`` (the C++ kernels' libraries,
+    put in its cache folder where they are not); where they cannot serve, one line on
+    stderr saying that the programs compile again, and why."""
     here = environment(device)
     built = {k: saved[k] for k in ("torch", "triton", "device")}
     why = None
@@ -293,12 +351,27 @@ def _load_compiled_code(path: Path, saved: dict, blob: bytes | None, device) -> 
         why = f"its {_COMPILED} is missing"
     elif torch.compiler.load_cache_artifacts(blob) is None:
         why = f"its {_COMPILED} did not load"
+    else:
+        _place_kernels(kernels)
     if why:
         print(
             f"bladesmith: {str(path)!r}: {why}: Inductor compiles its programs again on the "
             "first call (minutes)",
             file=sys.stderr,
         )
+
+
+def _place_kernels(kernels: dict[str, bytes]) -> None:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    root = Path(cache_dir())
+    for place, data in kernels.items():
+        if not _KERNEL.fullmatch(place):
+            raise BladesmithError(f"{_KERNELS}{place} is not the name of a compiled kernel")
+        target = root / place
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomically(target, data)
 
 
 class FixedShapeGraph:
