@@ -400,6 +400,10 @@ class CompiledProgram(Format):
     # Built during optimize: only the inductor pass's result is saved in it, whose compile
     # that pass has paid for already; later saves copy it from the cache.
     build_cost = "seconds"
+    build_note = (
+        "Inductor compiling its programs; kept in $BLADESMITH_CACHE/compiled by their hash, "
+        "so saving the same result again copies it"
+    )
     zip_archive = True
     needs_fake_kernels = True  # torch.export traces the operators on fake tensors
     triton_backend = None
