@@ -388,9 +388,11 @@ class FixedShapeGraph:
 
     def __call__(self, *args, **kwargs):
         tensors = tensors_in((args, kwargs))
-        if [tuple(x.shape) for x in tensors] == self.shapes:
-            return self.graph(*args, **kwargs)
-        return self.run(*args, **kwargs)
+        if [tuple(x.shape) for x in tensors] != self.shapes:
+            return self.run(*args, **kwargs)
+        if not self.graph.graphs:  # compiled first, as the cuda_graph pass found it
+            self.run(*args, **kwargs)
+        return self.graph(*args, **kwargs)
 
 
 class CompiledProgram(Format):
