@@ -113,7 +113,9 @@ def measure(name: str, device: torch.device, settings: list[str], args) -> list[
         "passes": list(spec.passes),
         "save_formats": list(spec.save_formats),
         "optimize_s": round(optimize_s, 1),
-        "report_in_process": report.speedup.describe(),
+        "report_in_process": "{:.2f}x [{:.2f}-{:.2f}]".format(
+            report.diagnosis["speedup"], *report.diagnosis["interval"]
+        ),
         "report_saved": report.diagnosis["saved"],
     }
     if ".ptc" not in spec.save_formats:
