@@ -20,7 +20,6 @@ from bladesmith.runtimes.format import Format
 from bladesmith.runtimes.formats import FORMATS
 from test_reload import reload_in_new_process
 
-
 # Built by a pass that runs on a CPU only at o2 and compiles for minutes there (Inductor).
 _O2_ON_A_CPU = {".ptc"}
 
