@@ -6,7 +6,7 @@
 #       [bench-ops] [bench-passes] [bench-optimize] [bench-optimize-b1] [probe-reload] [bench-models] [bench-scripted]
 #       [bench-families] [family-NAME] [probe-capture] [probe-capture-rcnn] [probe-rcnn]
 #       [probe-rcnn-compiled]
-#       [probe-serve-batches] [probe-serve-host]
+#       [probe-serve-batches] [probe-serve-host] [compiled-artifact]
 #       [serve-artifact] [bench-serve] [bench-serve-http|shm|uint8]
 # cuda-tests runs only the tests marked `cuda` (the rest run in CI on the CPU);
 # cuda-ops-tests only those of the custom operators, cuda-families-tests those of the
@@ -94,6 +94,12 @@ for s in $steps; do
         probe-rcnn-compiled) family=${RCNN_FAMILY:-faster_rcnn}
             step probe-rcnn-$family-inductor python3 benchmarks/probe_rcnn.py --family $family \
                 --passes ${RCNN_PASSES:-fixed_shape,fp16,channels_last,conv_fusion} --compile ;;
+        compiled-artifact)  # the .ptc reloaded in a new process against in-process
+            step compiled-artifact python3 benchmarks/compiled_artifact.py --device cuda \
+                --json "$out/compiled_artifact.json"
+            step compiled-artifact-settings python3 benchmarks/compiled_artifact.py --device cuda \
+                --models resnet50_b1 --settings max_autotune,freezing \
+                --json "$out/compiled_artifact_settings.json" ;;
         probe-serve-batches) step probe-serve-batches python3 benchmarks/probe_serve_batches.py ;;
         probe-serve-host)
             [ -f /tmp/rn32.pt ] || serve_artifact

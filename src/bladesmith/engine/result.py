@@ -127,11 +127,13 @@ def with_tried_formats(
     refused: dict[str, str],
     judge: Callable,
     tolerance: dict,
+    notes: list[str] | None = None,
 ) -> Spec:
     """``spec`` with its save formats tried: those saved, loaded back and whose outputs
     ``judge`` passed on ``test_args`` stay listed. A format that takes minutes to build
     (an AOTInductor package) is left untried, for ``save`` to check; ``refused`` ones
-    (suffix: why) are not tried. ``tolerance`` is what the outputs were judged at."""
+    (suffix: why) are not tried. ``tolerance`` is what the outputs were judged at; a
+    format that compiles (``Format.build_note``) gets its build time in ``notes``."""
     untried = {
         suffix: f"not tried during optimize (a {FORMATS[suffix].description} takes minutes "
         "to build): bladesmith.save builds it, loads it back and checks its outputs"
@@ -144,7 +146,11 @@ def with_tried_formats(
         if suffix in spec.save_formats
     }
     formats = [each for each in spec.save_formats if each not in untried and each not in refused]
-    tried, failed = try_formats(optimized, formats, test_args, judge)
+    built: dict[str, float] = {}
+    tried, failed = try_formats(optimized, formats, test_args, judge, built)
+    for suffix, seconds in built.items():
+        if FORMATS[suffix].build_note and notes is not None:
+            notes.append(f"{suffix} built in {seconds:.1f} s ({FORMATS[suffix].build_note}).")
     return dataclasses.replace(
         spec,
         save_formats=tried,

@@ -4,6 +4,7 @@ lists in the spec as saved and verified."""
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,17 +14,25 @@ from bladesmith.trust import QUIET
 
 
 def try_formats(
-    optimized: OptimizedModule, formats, test_args: list[tuple], judge: Callable
+    optimized: OptimizedModule,
+    formats,
+    test_args: list[tuple],
+    judge: Callable,
+    built: dict[str, float] | None = None,
 ) -> tuple[tuple[str, ...], dict[str, str]]:
     """Save ``optimized`` in each of ``formats``, load it back and run it on every test
     input: (the formats whose outputs ``judge`` passes, in order; {suffix: why} for the
-    others). ``judge(outputs)`` returns a ``verify.Comparison``."""
+    others). ``judge(outputs)`` returns a ``verify.Comparison``; ``built``, when given,
+    gets the seconds each written format took to write."""
     tried, refused = [], {}
     with tempfile.TemporaryDirectory(prefix="bladesmith-save-") as directory:
         for suffix in formats:
             path = Path(directory) / f"model{suffix}"
             try:
+                start = time.perf_counter()
                 write(optimized, path)
+                if built is not None:
+                    built[suffix] = time.perf_counter() - start
                 loaded = load(path, trust=QUIET)
                 outputs = [loaded(*args) for args in test_args]
             except Exception as error:  # torch's messages may start on a new line

@@ -314,6 +314,7 @@ def _saved_and_reloaded(
             refused={**_refused_formats(passes, best), **constant_argument_refusals(best, context)},
             judge=_saved_judge(trial, best, tolerance_waived(best, passes, config)),
             tolerance=trial.reference.tolerance(best.dtype, config),
+            notes=context.notes,
         )
     return optimized, optimized.spec
 

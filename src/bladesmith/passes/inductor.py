@@ -4,7 +4,8 @@ Inductor's own CUDA graphs are off (mode "default" or "max-autotune-no-cudagraph
 the cuda_graph pass captures the whole call instead, input copies included, so one
 graph replays everything from image to boxes. Freezing is on: the weights become
 constants, so Inductor folds (frozen) batch norms into convolutions and picks the
-weights' layout once.
+weights' layout once. The result saves as a ``.ptc`` (``runtimes.compiled_program``):
+its programs and the code Inductor compiled for them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
+from bladesmith.runtimes import compiled_program
 from bladesmith.runtimes.torchscript import is_torchscript
 
 # Inductor's C++ build of a whole detector takes minutes on a small CPU; worth it only
@@ -29,6 +31,7 @@ class Inductor(Pass):
     """torch.compile (Inductor), static shapes, frozen weights; max-autotune at o2."""
 
     name = "inductor"
+    saves_as = compiled_program.SUFFIX
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if is_torchscript(candidate.module):
@@ -48,6 +51,13 @@ class Inductor(Pass):
             )
         mode = compile_mode(context.level)
         compiled = torch.compile(candidate.module, mode=mode, dynamic=False)
+        # What a .ptc of the result compiles with (freezing aside: torch's caches skip
+        # frozen graphs, so a .ptc carries compiled code only without it).
+        setattr(
+            compiled,
+            compiled_program.SETTINGS_ATTRIBUTE,
+            {"max_autotune": mode != compile_mode("o0")},
+        )
         # Inductor reads its config when it compiles, on the first call.
         with (
             context.step(f"compiling with Inductor (mode={mode})"),

@@ -42,6 +42,9 @@ class Format(abc.ABC):
     # It holds only a runner its own pass built (``Pass.saves_as``): a result that runs
     # anything else is not saved in it.
     only_its_pass: ClassVar[bool] = False
+    # Where writing it compiles the model: what the build does, which the report gives
+    # beside its build time during optimize (None: writing it is a conversion).
+    build_note: ClassVar[str | None] = None
     # The package its reader needs beyond bladesmith's own dependencies (None: none).
     package: ClassVar[str | None] = None
 

@@ -16,16 +16,24 @@ from pathlib import Path
 from bladesmith._files import contents, first_line, replacing, unreadable
 from bladesmith.errors import BladesmithError, MissingFileError, NotAnArtifactError
 from bladesmith.ops import libraries
-from bladesmith.runtimes import aoti, onnxruntime, openvino, torchscript
+from bladesmith.runtimes import aoti, compiled_program, onnxruntime, openvino, torchscript
 from bladesmith.runtimes.format import Format
 from bladesmith.trust import UntrustedFileError
 
 FORMATS: dict[str, Format] = {
     each.suffix: each
-    for each in (aoti.FORMAT, torchscript.FORMAT, onnxruntime.FORMAT, openvino.FORMAT)
+    for each in (
+        aoti.FORMAT,
+        compiled_program.FORMAT,
+        torchscript.FORMAT,
+        onnxruntime.FORMAT,
+        openvino.FORMAT,
+    )
 }
 
-METADATA_KEY = "bladesmith"  # in AOTInductor metadata, TorchScript extra files, ONNX properties
+METADATA_KEY = (
+    "bladesmith"  # in AOTInductor metadata, TorchScript extra files, ONNX properties, ZIPs
+)
 
 
 def metadata_of(path: Path) -> dict:

@@ -14,6 +14,7 @@ package without torch's Python reader at all.
 from __future__ import annotations
 
 import functools
+import io
 import json
 import re
 import zipfile
@@ -95,8 +96,9 @@ class Untrusted(Exception):
     this reader does not expect: the message says which entry."""
 
 
-def exported_program(path: str | Path) -> torch.export.ExportedProgram:
-    """The torch.export program in ``path`` (its first), read without pickle and without
+def exported_program(path: str | Path | io.BytesIO) -> torch.export.ExportedProgram:
+    """The torch.export program in ``path`` (its first; or in the archive's bytes, a
+    ``BytesIO``), read without pickle and without
     handing anything but shape arithmetic to sympy. Raises ``Untrusted`` for an archive
     that holds any entry but those torch.export.save writes for its programs (a
     compiled model, an executorch or extra file, a pickled payload), a payload outside
@@ -105,7 +107,7 @@ def exported_program(path: str | Path) -> torch.export.ExportedProgram:
     from torch._export.serde.serialize import ExportedProgramDeserializer, _bytes_to_dataclass
     from torch.export.pt2_archive import _package
 
-    with _package.PT2ArchiveReader(str(path)) as reader:
+    with _package.PT2ArchiveReader(path if isinstance(path, io.BytesIO) else str(path)) as reader:
         names = set(reader.get_file_names())
         programs = _programs(names)
         if not programs:
