@@ -16,10 +16,9 @@ from torch import nn
 import bladesmith
 from bladesmith import images
 from bladesmith.config import Config
-from bladesmith.engine import task_metric
 from bladesmith.errors import SettingError
 from bladesmith.images import varied_photos
-from bladesmith.verify import precisions
+from bladesmith.verify import precisions, task_metric
 from bladesmith.verify.heldout import calibration_inputs, held_out_inputs
 
 QUICK = dict(warmup=1, iters=2, rounds=2, min_speedup=1e-6, progress=False)

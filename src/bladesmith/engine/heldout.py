@@ -5,7 +5,7 @@ trace that held its example as a constant answers it exactly). Every candidate t
 would be kept, the final result and every saved format are also run on held-out
 inputs derived from the test data (``verify.heldout``) and judged against the model as
 given there, at the tolerances measured on the test data, or, where its precision is
-judged by the task's metric (int8), by that metric (``engine.task_metric``). A result
+judged by the task's metric (int8), by that metric (``verify.task_metric``). A result
 that fails there and
 answers the held-out inputs exactly as it answered the test data, where the model as
 given answers otherwise, does not depend on its inputs: it is refused with that reason,
@@ -21,12 +21,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bladesmith.config import Config
-from bladesmith.engine import task_metric
 from bladesmith.engine.reference import Reference
 from bladesmith.errors import describe
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context
-from bladesmith.verify import degenerate_reasons
+from bladesmith.verify import degenerate_reasons, task_metric
 from bladesmith.verify.heldout import held_out_inputs
 
 

@@ -5,7 +5,7 @@ The module is converted to OpenVINO IR as the ``openvino`` pass converts it, and
 activations, ranges set on ``Context.calibration``'s inputs: ``Config.calibration_data``,
 or inputs derived from the test data that no verdict uses); OpenVINO then runs the
 convolutions and matrix products in INT8. Its result computes in ``precisions.INT8``,
-judged by the task's metric on held-out inputs (``engine.task_metric``), not by a
+judged by the task's metric on held-out inputs (``verify.task_metric``), not by a
 tensor tolerance. It is part of level o2 (or ``Config(include=["openvino_int8"])``).
 An operator OpenVINO cannot convert (the user's, bladesmith's) skips the pass, named,
 as it skips ``openvino``: nothing of the model is left unconverted to keep in float.

@@ -10,7 +10,7 @@ none a module could be cast to), and how a result in it is judged (``gate``):
 - ``"metric"``: the outputs move by far more than rounding (int8 steps are 1/127 of a
   range), so no tensor tolerance tells a right result from a wrong one; the task's
   metric on held-out inputs against the model as given judges it instead (top-1
-  agreement, detection F1, or the user's ``Config(metric=...)``: ``engine.task_metric``).
+  agreement, detection F1, or the user's ``Config(metric=...)``: ``verify.task_metric``).
 
 Adding a precision is one ``Precision`` here and the pass that declares it
 (``Pass.computes_in``).
