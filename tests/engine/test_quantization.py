@@ -152,13 +152,12 @@ def outlier_cnn() -> nn.Module:
     return model
 
 
-def _int8(model, photos, **settings):
-    from bladesmith.passes.openvino_int8 import OpenVinoInt8
+def _int8(model, photos, mixed=False, **settings):
+    from bladesmith.passes.openvino_int8 import OpenVinoInt8, OpenVinoInt8Mixed
 
     config = Config(**{**QUICK, **settings})
-    return bladesmith.optimize(
-        model, test_data=[photos], level="o2", config=config, passes=[OpenVinoInt8()]
-    )
+    passes = [OpenVinoInt8(), *([OpenVinoInt8Mixed()] if mixed else [])]
+    return bladesmith.optimize(model, test_data=[photos], level="o2", config=config, passes=passes)
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +212,17 @@ def test_a_user_metric_gates_the_int8_result(photos):
     _, spec, report = _int8(small_cnn(), photos, metric=never_enough, max_drop=0.5)
     record = report.optimizations[0]
     assert record.status == "rejected" and "Config.metric never_enough 0 " in record.reason
+
+
+@pytest.mark.slow  # NNCF's accuracy control ranks the layers: about two minutes here
+def test_the_layers_int8_breaks_are_kept_in_float_and_named(photos):
+    pytest.importorskip("nncf")
+    _, spec, report = _int8(outlier_cnn(), photos, mixed=True)
+    whole, mixed = report.optimizations
+    assert whole.status == "rejected" and "top-1 agreement" in whole.reason
+    assert mixed.status == "kept", mixed.reason
+    assert "top-1 agreement 1 " in mixed.reason and spec.dtype == "int8"
+    note = next(n for n in report.diagnosis["notes"] if "kept in float" in n)
+    # The outlier's layer (0) or the one it feeds (2) is named; not every layer is.
+    assert "0 (Convolution)" in note or "2 (Convolution)" in note, note
+    assert "4 (Convolution)" not in note, note
