@@ -23,6 +23,8 @@ WRONG_TYPE = {
     "choice": 5,
     "names": 5,
     "suffix": 5,
+    "callable": 5,
+    "data": "images/",
 }
 
 
@@ -35,6 +37,8 @@ def out_of_range(setting):
         return "pt"  # no leading dot
     if setting.kind == "bool":
         return 1  # a truthy number: only True and False are taken
+    if setting.kind == "data":
+        return []  # no entry
     low = setting.low if setting.low is not None else 0
     below = low - 1 if setting.kind == "int" else (low if setting.above else low - 0.5)
     return below

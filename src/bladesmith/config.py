@@ -16,7 +16,7 @@ the constructor, every assignment and the command line's flags check a value aga
 it, and a bad one is one ``SettingError`` line naming the setting and what it takes.
 Levels: o0 changes no numerical precision; o1 adds fp16/bf16, kept only when the outputs
 stay within tolerance; o2 adds what takes longer to build (Inductor's max-autotune,
-Inductor on the CPU).
+Inductor on the CPU) and int8 quantization, judged by the task's metric.
 """
 
 from __future__ import annotations
@@ -68,6 +68,10 @@ class Setting:
             text = "a pass name or a list of pass names"
         elif self.kind == "suffix":
             text = "a file suffix such as '.pt'"
+        elif self.kind == "callable":
+            text = "a function"
+        elif self.kind == "data":
+            text = "a non-empty list of inputs, as test_data takes them"
         else:
             text = {"bool": "True or False", "int": "an integer", "number": "a number"}[self.kind]
             if self.low is not None and self.high is not None:
@@ -149,6 +153,18 @@ def _suffix(setting: Setting, value):
     return value if isinstance(value, str) and len(value) > 1 and value[0] == "." else _BAD
 
 
+def _callable(setting: Setting, value):
+    return value if callable(value) else _BAD
+
+
+def _data(setting: Setting, value):
+    # A non-empty list or tuple of entries, or a batch tensor; what the entries are is
+    # checked where they are read, as test_data's are.
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "Tensor":
+        return value if len(value) else _BAD
+    return _BAD
+
+
 def _names(setting: Setting, value):
     if isinstance(value, str):
         value = (value,)
@@ -165,6 +181,8 @@ _KINDS = {
     "choice": _choice,
     "names": _names,
     "suffix": _suffix,
+    "callable": _callable,
+    "data": _data,
 }
 
 SETTINGS = {
@@ -267,6 +285,30 @@ SETTINGS = {
             optional=True,
         ),
         Setting(
+            "calibration_data",
+            "data",
+            "inputs a quantizing pass calibrates on (None: derived from the test data as "
+            "held-out inputs are, never the inputs a verdict uses); the report gives their "
+            "count and source",
+            optional=True,
+        ),
+        Setting(
+            "metric",
+            "callable",
+            "the task metric that judges a quantized result: `metric(outputs, inputs)` -> "
+            "a number, higher is better, on the held-out inputs (None: top-1 agreement for "
+            "a classifier, detection F1 for a detector, against the model as given)",
+            optional=True,
+        ),
+        Setting(
+            "max_drop",
+            "number",
+            "how far a quantized result's metric may fall below the model as given's (None: "
+            "0.01 for top-1 agreement and `metric`, 0.03 for detection F1)",
+            optional=True,
+            low=0,
+        ),
+        Setting(
             "openvino_hint",
             "choice",
             "how the `openvino` pass compiles the model (OpenVINO's PERFORMANCE_HINT); a "
@@ -324,6 +366,9 @@ class Config:
     allow_unverified: bool = False
     progress: bool | None = None
     save_as: str | None = None
+    calibration_data: object = None
+    metric: object = None
+    max_drop: float | None = None
     openvino_hint: str = "latency"
     openvino_threads: int | None = None
     openvino_streams: int | None = None

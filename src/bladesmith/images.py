@@ -54,7 +54,9 @@ def sample_images(
     return torch.stack(images).to(device=device, dtype=dtype)
 
 
-def varied_photos(count: int, image_size: tuple[int, int], seed: int = 0) -> torch.Tensor:
+def varied_photos(
+    count: int, image_size: tuple[int, int], seed: int = 0, first: int = 0
+) -> torch.Tensor:
     """A batch [count, 3, H, W] of distinct views of the bundled photographs, so that a
     detector's answers differ from view to view (random pixels give nearly the same
     detections whatever the pixels). View i shows photograph i (cycling; all but the
@@ -62,7 +64,8 @@ def varied_photos(count: int, image_size: tuple[int, int], seed: int = 0) -> tor
     by a factor in [1, 1.5] and cropped at a random place. Views of one photograph and
     mirroring take evenly spaced factors, at least 1/12 of the range apart for up to 120
     views: each object's box differs in size between them, so no two are near copies
-    (drawn independently, two views could be)."""
+    (drawn independently, two views could be). ``first``: only the views from that
+    one on (those before it are drawn, not made)."""
     generator = torch.Generator().manual_seed(seed)
     height, width = image_size
     pairs = 2 * len(_VIEWED)  # (photograph, mirrored or not)
@@ -72,10 +75,12 @@ def varied_photos(count: int, image_size: tuple[int, int], seed: int = 0) -> tor
     for i in range(count):
         scale = 1.0 + 0.5 * (i // pairs + offset) / steps
         size = (round(height * scale), round(width * scale))
-        source = photo(_VIEWED[i % len(_VIEWED)])[None]
-        scaled = F.interpolate(source, size=size, mode="bilinear", antialias=True)[0]
         top = int(torch.randint(size[0] - height + 1, (), generator=generator))
         left = int(torch.randint(size[1] - width + 1, (), generator=generator))
+        if i < first:
+            continue
+        source = photo(_VIEWED[i % len(_VIEWED)])[None]
+        scaled = F.interpolate(source, size=size, mode="bilinear", antialias=True)[0]
         view = scaled[:, top : top + height, left : left + width]
         if (i // len(_VIEWED)) % 2:
             view = view.flip(-1)

@@ -27,6 +27,8 @@ def test_registry_lists_builtin_passes_in_order_and_refuses_duplicates():
         "onnxruntime",
         "openvino",
         "openvino_f32",
+        "openvino_int8",
+        "openvino_int8_mixed",
     ]
     summaries = {name: summary for name, _, _, summary in registry.describe()}
     assert all(summaries.values()), summaries

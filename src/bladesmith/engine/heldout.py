@@ -4,7 +4,9 @@ Passes are built and verified on the test data; a result may be right there alon
 trace that held its example as a constant answers it exactly). Every candidate that
 would be kept, the final result and every saved format are also run on held-out
 inputs derived from the test data (``verify.heldout``) and judged against the model as
-given there, at the tolerances measured on the test data. A result that fails there and
+given there, at the tolerances measured on the test data, or, where its precision is
+judged by the task's metric (int8), by that metric (``verify.task_metric``). A result
+that fails there and
 answers the held-out inputs exactly as it answered the test data, where the model as
 given answers otherwise, does not depend on its inputs: it is refused with that reason,
 even where ``disable_fp16_accuracy_check`` waives its tolerance.
@@ -23,7 +25,7 @@ from bladesmith.engine.reference import Reference
 from bladesmith.errors import describe
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context
-from bladesmith.verify import degenerate_reasons
+from bladesmith.verify import degenerate_reasons, task_metric
 from bladesmith.verify.heldout import held_out_inputs
 
 
@@ -33,6 +35,7 @@ class Verdict:
 
     passed: bool
     line: str
+    metric: dict | None = None  # the task metric's figures, where it judged
 
     def summary(self) -> str:
         return self.line
@@ -107,7 +110,15 @@ class HeldOutCheck:
             outputs = self._outputs_of(candidate, held.inputs)
         except Exception as error:
             return Verdict(False, f"{who} failed on held-out inputs ({describe(error)})")
-        return self.judge(test_outputs, outputs, candidate.dtype, config, who=who, waived=waived)
+        return self.judge(
+            test_outputs,
+            outputs,
+            candidate.dtype,
+            config,
+            who=who,
+            waived=waived,
+            by_metric=candidate.computes_in.by_metric,
+        )
 
     def judge(
         self,
@@ -118,11 +129,15 @@ class HeldOutCheck:
         *,
         who: str,
         waived: bool = False,
+        by_metric: bool = False,
     ) -> Verdict:
-        """Outputs on the held-out inputs (``outputs``) judged against the model's there;
-        when they fail, whether they answer as on the test data (``test_outputs``) where
-        the model does not: then they ignore their inputs, which no waiver excuses."""
+        """Outputs on the held-out inputs (``outputs``) judged against the model's there
+        (``by_metric``: by the task's metric, which no waiver excuses); when they fail,
+        whether they answer as on the test data (``test_outputs``) where the model does
+        not: then they ignore their inputs, which no waiver excuses either."""
         held = self._prepared()
+        if by_metric:
+            return self._by_metric(held, test_outputs, outputs, config, who)
         try:
             comparison = held.compare(outputs, dtype, config)
         except Exception as error:  # a comparison that cannot be made verifies nothing
@@ -133,6 +148,34 @@ class HeldOutCheck:
             )
         if comparison.passed:
             return Verdict(True, f"held-out inputs within tolerance ({self.how})")
+        constant = self._constant(held, test_outputs, outputs, who)
+        if constant is not None:
+            return constant
+        if waived:
+            return Verdict(True, f"held-out inputs past tolerance, check disabled ({self.how})")
+        return Verdict(
+            False,
+            f"{who}: on held-out inputs ({self.how}) outputs moved past tolerance: "
+            f"{comparison.summary()}",
+        )
+
+    def _by_metric(self, held: Reference, test_outputs, outputs, config, who) -> Verdict:
+        """The task's metric on the held-out inputs against the model as given."""
+        measured = task_metric.judge(held.outputs, outputs, held.inputs, config)
+        if isinstance(measured, str):
+            return Verdict(False, f"{who}: not judged by the task's metric: {measured}")
+        line = f"{measured.line} on held-out inputs ({self.how})"
+        if measured.passed:
+            return Verdict(True, line, measured.to_dict())
+        constant = self._constant(held, test_outputs, outputs, who)
+        if constant is not None:
+            line += "; " + constant.line.removeprefix(f"{who}: ")
+        return Verdict(False, f"{who}: {line}", measured.to_dict())
+
+    def _constant(self, held: Reference, test_outputs, outputs, who) -> Verdict | None:
+        """A failing verdict when the result answers a held-out input exactly as it
+        answered the test input it came from, where the model as given answers otherwise
+        (it held the test input as a constant); None otherwise."""
         reference = self._reference
         for index, source in enumerate(self._sources):
             model_moved = not _identical(reference.outputs[source], held.outputs[index])
@@ -144,13 +187,7 @@ class HeldOutCheck:
                     "where the model as given answers otherwise (the test input was held "
                     "as a constant)",
                 )
-        if waived:
-            return Verdict(True, f"held-out inputs past tolerance, check disabled ({self.how})")
-        return Verdict(
-            False,
-            f"{who}: on held-out inputs ({self.how}) outputs moved past tolerance: "
-            f"{comparison.summary()}",
-        )
+        return None
 
 
 def _identical(one, other) -> bool:

@@ -25,6 +25,7 @@ from bladesmith.verify import (
     detection_score_tolerance,
     dtype_name,
     noise_tolerances,
+    precisions,
     rounding_unit,
     tensor_paths,
 )
@@ -34,7 +35,6 @@ from bladesmith.verify.tolerance import (
     NOISE_MARGIN,
     NOISE_RUNS,
     TF32_NOISE,
-    half_unit,
 )
 
 # Rounding noise to probe a detector with: each weight moved by about float16's (and
@@ -128,7 +128,8 @@ class Reference:
                 unit, unit_name = rounding_unit(device, self.model, dtype)
                 rtol, margin = default_tolerance(dtype)[0], NOISE_MARGIN
             else:
-                unit, unit_name = half_unit(dtype), dtype_name(dtype)
+                precision = precisions.of_dtype(dtype)  # its rounding, as it declares
+                unit, unit_name = precision.noise_unit, precision.name
                 rtol, margin = default_tolerance(dtype)[0], HALF_NOISE_MARGIN
             rtol = config.rtol if config.rtol is not None else rtol
             try:

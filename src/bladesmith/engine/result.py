@@ -33,7 +33,7 @@ def spec_of(best: Candidate, context: Context, saves_as: str | None) -> Spec:
     formats, left_out = _save_formats(best, context, saves_as)
     return Spec(
         device=str(context.device),
-        dtype=str(best.dtype).removeprefix("torch."),
+        dtype=best.computes_in.name,
         input_shapes=tuple(tuple(x.shape) for x in inputs),
         input_dtypes=tuple(str(x.dtype).removeprefix("torch.") for x in inputs),
         input_ranges=_integer_ranges(best, context),
@@ -167,8 +167,7 @@ def _dtype_refusals(spec: Spec) -> dict[str, str]:
     computing = [
         each
         for each in registry.create_all()
-        if each.computes_in is not None
-        and str(each.computes_in).removeprefix("torch.") == spec.dtype
+        if each.computes_in is not None and each.computes_in.name == spec.dtype
     ]
     refused: dict[str, str] = {}
     for each in computing:
@@ -212,6 +211,13 @@ def report_of(
             "level": context.level,
             "device": str(context.device),
             **context.config.to_dict(),
+            # What the user gave, in words: a function's name, how many inputs.
+            "metric": getattr(context.config.metric, "__name__", context.config.metric),
+            "calibration_data": (
+                None
+                if context.config.calibration_data is None
+                else f"{len(context.config.calibration_data)} entries"
+            ),
         },
         diagnosis=_diagnosis(
             model_info,

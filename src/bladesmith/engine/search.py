@@ -16,6 +16,7 @@ are not held against a pass.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -65,6 +66,7 @@ from bladesmith.report import PassRecord, Report
 from bladesmith.runtimes.formats import FORMATS
 from bladesmith.spec import Spec
 from bladesmith.verify import degenerate_reasons
+from bladesmith.verify.heldout import calibration_inputs
 
 
 def optimize(
@@ -111,6 +113,7 @@ def optimize(
     context = Context(
         device, check_level(level), config, test_args[0], test_args, step=progress.step
     )
+    context.calibration = functools.cache(lambda: _calibration(config, test_args, device))
     if model_info.pop("was_training"):
         context.notes.append("the model was in training mode; it is optimized in eval mode")
     warmup, iters = config.timing_counts(device.type)
@@ -137,7 +140,7 @@ def optimize(
     ]
     with progress.step("verifying the result"):
         final_accuracy = reference.compare(outputs_on(best, test_args), best.dtype, config)
-    optimized, spec = _saved_and_reloaded(best, passes, trial, output_types)
+    optimized, spec = _saved_and_reloaded(best, passes, trial, output_types, final_held)
     saved = _saved_timed(optimized, best is given, given, trial)
     doubts += [f"the saved result against the model as given: {d}" for d in saved.doubts]
     progress.done(overall)
@@ -291,11 +294,19 @@ def _against_given(
 
 
 def _saved_and_reloaded(
-    best: Candidate, passes: list[Pass], trial: Trial, output_types: dict | None
+    best: Candidate,
+    passes: list[Pass],
+    trial: Trial,
+    output_types: dict | None,
+    held: Verdict | None,
 ) -> tuple[OptimizedModule, Spec]:
     """The optimized module and its spec, whose save formats are those that saved,
-    loaded back and judged on the test data and the held-out inputs passed."""
+    loaded back and judged on the test data and the held-out inputs passed; its
+    tolerance is the task metric's verdict (``held``) where that judged the result."""
     context, config = trial.context, trial.context.config
+    tolerance = trial.reference.tolerance(best.dtype, config)
+    if best.computes_in.by_metric and held is not None:
+        tolerance = {**(held.metric or {}), "why": f"judged by the task's metric: {held.line}"}
     backend = next((p for p in passes if p.name == best.backend), None)
     spec = spec_of(best, context, backend.saves_as if backend else None)
     spec = dataclasses.replace(spec, output_types=output_types)
@@ -313,7 +324,7 @@ def _saved_and_reloaded(
             context.test_args + trial.held_out.args,
             refused={**_refused_formats(passes, best), **constant_argument_refusals(best, context)},
             judge=_saved_judge(trial, best, tolerance_waived(best, passes, config)),
-            tolerance=trial.reference.tolerance(best.dtype, config),
+            tolerance=tolerance,
             notes=context.notes,
         )
     return optimized, optimized.spec
@@ -374,6 +385,23 @@ def _mark_superseded(records: list[PassRecord], final: Candidate) -> None:
             record.reason += f"; superseded by {final.backend}"
 
 
+def _calibration(config: Config, test_args: list[tuple], device) -> tuple[list[tuple], str]:
+    """The inputs a quantizing pass calibrates on and what they are:
+    ``Config.calibration_data``, else derived from the test data (never the held-out
+    inputs, nor the test inputs the verdict uses)."""
+    if config.calibration_data is None:
+        derived = calibration_inputs(test_args)
+        return derived.args, derived.how
+    try:
+        entries = argument_tuples(config.calibration_data)
+    except ValueError as error:
+        raise SettingError(
+            "Config.calibration_data: " + str(error).removeprefix("test_data: ")
+        ) from None
+    args = [pytree.tree_map(lambda x: to_device(x, device), each) for each in entries]
+    return args, f"{len(args)} given by Config.calibration_data"
+
+
 def _unchecked(held_out: HeldOutCheck, given: bool) -> str:
     if given:
         return "not needed: the result is the model as given"
@@ -382,13 +410,16 @@ def _unchecked(held_out: HeldOutCheck, given: bool) -> str:
 
 def _saved_judge(trial: Trial, best: Candidate, waived: bool) -> Callable:
     """The judge of a saved format's outputs on the test data and then the held-out
-    inputs: the test data's comparison, and, when it passes, the held-out check."""
+    inputs: the test data's comparison, and, when it passes (or the task's metric judges
+    the result), the held-out check."""
     reference, config = trial.reference, trial.context.config
     count = len(reference.inputs)
 
+    by_metric = best.computes_in.by_metric  # its tensors' tolerance does not apply
+
     def judge(outputs: list):
         on_test = reference.compare(outputs[:count], best.dtype, config)
-        if not on_test.passed or len(outputs) == count:
+        if (not on_test.passed and not by_metric) or len(outputs) == count:
             return on_test
         return trial.held_out.judge(
             outputs[:count],
@@ -397,6 +428,7 @@ def _saved_judge(trial: Trial, best: Candidate, waived: bool) -> Callable:
             config,
             who="the saved file",
             waived=waived,
+            by_metric=by_metric,
         )
 
     return judge

@@ -123,6 +123,22 @@ class Trial:
         except Exception as error:  # a failing pass is reported, never fatal
             return record("failed", describe(error)), None, None
         waived = each.changes_precision and config.disable_fp16_accuracy_check
+        # Int8 outputs move by far more than rounding: the task's metric on held-out
+        # inputs judges them, before timing (a wrong result is rejected for being wrong).
+        by_metric = candidate.computes_in.by_metric
+        held = None
+        if by_metric:
+            with self.context.step(f"{name}: the task's metric on held-out inputs"):
+                held = self.held_out.check(run.candidate, outputs, config, who=name)
+            if held is None or not held.passed:
+                why = (
+                    held.line if held else f"no held-out input to judge it on ({self.held_out.how})"
+                )
+                return (
+                    record("rejected", f"{why} ({built}; not timed)", accuracy=accuracy),
+                    None,
+                    None,
+                )
         if accuracy.degenerate and not config.allow_degenerate:
             reason = (
                 f"not kept on a comparison with nothing to compare "
@@ -130,10 +146,10 @@ class Trial:
                 f"passes on it ({built}; not timed)"
             )
             return record("rejected", reason, accuracy=accuracy), None, None
-        if not accuracy.passed and not waived:
+        if not accuracy.passed and not waived and not by_metric:
             reason = f"outputs moved past tolerance{run.where} ({built}; not timed)"
             return record("rejected", reason, accuracy=accuracy), None, None
-        unverified = accuracy.unverified if each.changes_arithmetic else ""
+        unverified = accuracy.unverified if each.changes_arithmetic and not by_metric else ""
         if unverified and not (config.allow_unverified or waived):
             reason = (
                 f"not kept: it changes the arithmetic, and {unverified}; "
@@ -153,7 +169,12 @@ class Trial:
             timing=speedup.candidate,
             doubts=list(speedup.doubts),
         )
-        check = "accuracy check disabled" if not accuracy.passed else "outputs within tolerance"
+        if by_metric:
+            check = "judged by the task's metric"
+        elif not accuracy.passed:
+            check = "accuracy check disabled"
+        else:
+            check = "outputs within tolerance"
         if run.finished_by:
             check += f", both timed{run.where}"
         if unverified:
@@ -164,8 +185,9 @@ class Trial:
         kept, reason = _speed_verdict(each, speedup, config.min_speedup, check, built)
         if not kept:
             return record("rejected", reason, **fields), None, None
-        with self.context.step(f"{name}: verifying on held-out inputs"):
-            held = self.held_out.check(run.candidate, outputs, config, who=name, waived=waived)
+        if not by_metric:
+            with self.context.step(f"{name}: verifying on held-out inputs"):
+                held = self.held_out.check(run.candidate, outputs, config, who=name, waived=waived)
         if held is None and speedup.implausible and not config.allow_degenerate:
             why = f"{speedup.describe()} is implausible, and no held-out input could check it"
             return record("rejected", f"{why} ({self.held_out.how})", **fields), None, None

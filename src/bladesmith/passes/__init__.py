@@ -18,6 +18,7 @@ from bladesmith.passes.inductor import Inductor
 from bladesmith.passes.norm_folding import NormFolding
 from bladesmith.passes.onnxruntime import OnnxRuntime
 from bladesmith.passes.openvino import OpenVino, OpenVinoF32
+from bladesmith.passes.openvino_int8 import OpenVinoInt8, OpenVinoInt8Mixed
 from bladesmith.passes.precision import BFloat16, Float16, LinearBFloat16, RoIHeadsBFloat16
 from bladesmith.passes.registry import Context, Pass, PassSkipped, names, register
 from bladesmith.passes.torchscript import TorchScriptFreeze
@@ -43,6 +44,8 @@ ORDER = (
     OnnxRuntime,
     OpenVino,
     OpenVinoF32,
+    OpenVinoInt8,
+    OpenVinoInt8Mixed,
 )
 for _pass in ORDER:
     register(_pass)

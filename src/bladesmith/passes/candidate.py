@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from bladesmith.families.base import Family
+from bladesmith.verify import precisions
+from bladesmith.verify.precisions import Precision
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,18 @@ class Candidate:
     family: Family | None = None
     module_passes: tuple[str, ...] = ()  # passes that shaped the module, in order
     runner_passes: tuple[str, ...] = ()  # passes that built the runner, in order
+    # The precision a pass declared where ``dtype`` cannot say it (int8 kernels take and
+    # return float32); None: ``dtype``'s own.
+    precision: Precision | None = None
 
     @property
     def applied(self) -> tuple[str, ...]:
         return self.module_passes + self.runner_passes
+
+    @property
+    def computes_in(self) -> Precision:
+        """The precision the candidate computes in, which says how it is judged."""
+        return self.precision or precisions.of_dtype(self.dtype)
 
     @property
     def backend(self) -> str:

@@ -24,6 +24,8 @@ from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
 from bladesmith.runtimes import openvino
 from bladesmith.runtimes.formats import FORMATS
+from bladesmith.verify import precisions
+from bladesmith.verify.precisions import Precision
 
 # Namespaces whose operators OpenVINO's PyTorch frontend converts.
 _CONVERTED = ("aten", "prim", "torchvision", "quantized")
@@ -53,10 +55,10 @@ class OpenVino(Pass):
     precision: str | None = None  # INFERENCE_PRECISION_HINT asked for; None: OpenVINO's
 
     @property
-    def computes_in(self) -> torch.dtype | None:
+    def computes_in(self) -> Precision | None:
         precision = self.precision or _installed_default()
         dtype = openvino.PRECISIONS.get(precision) if precision else None
-        return None if dtype in (None, torch.float32) else dtype
+        return None if dtype in (None, torch.float32) else precisions.of_dtype(dtype)
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         missing = openvino.FORMAT.missing_package()

@@ -26,7 +26,7 @@ from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
 from bladesmith.runtimes.onnxruntime import SUFFIX as ONNX_SUFFIX
 from bladesmith.runtimes.torchscript import is_torchscript
-from bladesmith.verify import dtype_name
+from bladesmith.verify import dtype_name, precisions
 
 
 class CastFloats(nn.Module):
@@ -83,26 +83,27 @@ class Float16(Pass):
     levels = ("o1", "o2")
     devices = ("cuda",)  # CPUs have no fp16 matrix units: it is slower there
     changes_precision = True
-    computes_in = torch.float16
+    computes_in = precisions.FLOAT16
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if candidate.dtype != torch.float32:
             return f"the model computes in {dtype_name(candidate.dtype)}, not float32"
         if not any(p.is_floating_point() for p in candidate.module.parameters()):
             return "the model has no floating-point parameters"
-        return _nms_problem(candidate.module, self.computes_in, context.device)
+        return _nms_problem(candidate.module, self.computes_in.dtype, context.device)
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
-        module = copy.deepcopy(candidate.module).to(self.computes_in)
-        wrapped = CastFloats(module, self.computes_in, output_dtype=candidate.dtype)
+        dtype = self.computes_in.dtype
+        module = copy.deepcopy(candidate.module).to(dtype)
+        wrapped = CastFloats(module, dtype, output_dtype=candidate.dtype)
         example = candidate.runner_args(context.example_args)
         if is_torchscript(candidate.module) and _fails(wrapped, example):
             context.notes.append(
                 f"{self.name}: the TorchScript model keeps float32 casts in its graph, so "
                 f"{self.name} is tried under torch.autocast (a .pt save of it runs in float32)"
             )
-            wrapped = AutocastFloats(candidate.module, self.computes_in, candidate.dtype)
-        return candidate.with_module(wrapped, self.name, dtype=self.computes_in)
+            wrapped = AutocastFloats(candidate.module, dtype, candidate.dtype)
+        return candidate.with_module(wrapped, self.name, dtype=dtype)
 
 
 class BFloat16(Float16):
@@ -110,7 +111,7 @@ class BFloat16(Float16):
     or a CPU); on a CPU only where it computes in bfloat16 natively."""
 
     name = "bf16"
-    computes_in = torch.bfloat16
+    computes_in = precisions.BFLOAT16
     devices = ("cuda", "cpu")
     refuses_formats = NO_ONNX_BF16
 
@@ -132,7 +133,7 @@ class _PartsInBFloat16(Pass):
     levels = ("o1", "o2")
     devices = ("cpu",)
     changes_precision = True
-    computes_in = torch.bfloat16
+    computes_in = precisions.BFLOAT16
     rewrites_modules = True
     refuses_formats = NO_ONNX_BF16
 
@@ -156,7 +157,7 @@ class _PartsInBFloat16(Pass):
         module = copy.deepcopy(candidate.module)
         for part in self.parts(module):
             self.convert(part)
-        return candidate.with_module(module, self.name, dtype=self.computes_in)
+        return candidate.with_module(module, self.name, dtype=self.computes_in.dtype)
 
 
 class RoIHeadsBFloat16(_PartsInBFloat16):

@@ -23,6 +23,7 @@ import torch
 
 from bladesmith.config import LEVELS, Config
 from bladesmith.passes.candidate import Candidate
+from bladesmith.verify.precisions import Precision
 
 
 class PassSkipped(Exception):
@@ -42,6 +43,9 @@ class Context:
     notes: list[str] = field(default_factory=list)  # diagnosis lines passes add
     # The user's own operators the model calls ("myops::scale_clip"; ops/libraries.py)
     user_operators: frozenset[str] = frozenset()
+    # calibration() -> (inputs a quantizing pass calibrates on, as the user calls the
+    # model, never the held-out ones; what they are, for the report), made on first use
+    calibration: Callable[[], tuple[list[tuple], str]] = lambda: ([], "none")
     # step(description) -> context manager that shows progress during a long step
     step: Callable[[str], contextlib.AbstractContextManager] = lambda _: contextlib.nullcontext()
 
@@ -55,10 +59,11 @@ class Pass:
     # Passes that change numerical precision are the ones the accuracy-check waiver
     # (Config.disable_fp16_accuracy_check) applies to.
     changes_precision: ClassVar[bool] = False
-    # The dtype a precision pass's result computes in. A result in that dtype is not saved
-    # in the ``refuses_formats`` of the passes that compute in it, whichever of them it
-    # kept: the engine asks the passes, never names them.
-    computes_in: ClassVar[torch.dtype | None] = None
+    # The precision a precision pass's result computes in (``verify.precisions``): how it
+    # is judged, and what Spec.dtype says. A result in it is not saved in the
+    # ``refuses_formats`` of the passes that compute in it, whichever of them it kept:
+    # the engine asks the passes, never names them.
+    computes_in: ClassVar[Precision | None] = None
     # An enabler is kept when accurate even if it is not faster by itself, because the
     # passes after it need what it does (fixed shapes for compilation and CUDA graphs).
     # If nothing after it pays off, the engine falls back to the fastest result.

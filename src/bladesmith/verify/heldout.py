@@ -10,6 +10,11 @@ their spread (and are reversed along their last axis); integers with more than t
 values (token ids) are drawn again within their range. Masks, flags, lengths (integers
 of at most two values), booleans and non-tensor arguments are kept: other values
 there could ask what the model was never meant to answer.
+
+Calibration inputs (what a quantizing pass sets its ranges on, unless
+``Config.calibration_data`` gives them) are derived the same way and are never the
+held-out ones: other views of the photographs than those the held-out inputs show,
+other noise, other token ids.
 """
 
 from __future__ import annotations
@@ -59,6 +64,29 @@ def held_out_inputs(test_args: Sequence[tuple], count: int = len(VARIANTS)) -> H
     return HeldOut(args, sources, f"{len(args)} derived from the test data ({how})")
 
 
+# Calibration inputs derived per test entry of a signature (each a batch like it).
+CALIBRATION_VARIANTS = 8
+
+
+def calibration_inputs(test_args: Sequence[tuple], count: int = CALIBRATION_VARIANTS) -> HeldOut:
+    """``count`` calibration inputs per test entry of a new signature: as the held-out
+    inputs' first variant (other photographs, moved floats, other token ids) but showing
+    views after those the held-out inputs show, with other seeds."""
+    args, sources, seen = [], [], set()
+    for index, entry in enumerate(test_args):
+        key = _signature(entry)
+        if key in seen:
+            continue
+        seen.add(key)
+        for variant in range(count):
+            seed = 1_000_000 + 1000 * index + variant
+            args.append(_variant(entry, 0, seed=seed, skip=1 + variant))
+            sources.append(index)
+    how = "other views of the photographs than the held-out inputs', floats moved by a "
+    how += "tenth of their spread, other token ids"
+    return HeldOut(args, sources, f"{len(args)} derived from the test data ({how})")
+
+
 def _signature(entry) -> tuple:
     leaves, spec = pytree.tree_flatten(entry)
     shapes = tuple(
@@ -67,18 +95,18 @@ def _signature(entry) -> tuple:
     return str(spec), shapes
 
 
-def _variant(entry, variant: int, seed: int):
+def _variant(entry, variant: int, seed: int, skip: int = 0):
     generator = torch.Generator().manual_seed(seed)
-    return pytree.tree_map(lambda x: _changed(x, variant, generator, seed), entry)
+    return pytree.tree_map(lambda x: _changed(x, variant, generator, seed, skip), entry)
 
 
-def _changed(value, variant: int, generator: torch.Generator, seed: int):
+def _changed(value, variant: int, generator: torch.Generator, seed: int, skip: int = 0):
     if not isinstance(value, torch.Tensor) or value.numel() == 0:
         return value
     if value.is_floating_point():
         high = _image_scale(value)
         if high is not None:
-            return _other_image(value, high, variant, generator, seed)
+            return _other_image(value, high, variant, generator, seed, skip)
         return _moved(value, variant, generator)
     if value.dtype == torch.bool or value.is_complex():
         return value
@@ -103,14 +131,21 @@ def _image_scale(value: torch.Tensor) -> float | None:
 
 
 def _other_image(
-    value: torch.Tensor, high: float, variant: int, generator: torch.Generator, seed: int
+    value: torch.Tensor,
+    high: float,
+    variant: int,
+    generator: torch.Generator,
+    seed: int,
+    skip: int = 0,
 ) -> torch.Tensor:
     if variant % 2 == 1:  # mirrored, with noise of 2% of the range
         noise = torch.randn(value.shape, generator=generator) * 0.02 * high
         return (value.flip(-1) + noise.to(value)).clamp(0.0, high)
     count = value.numel() // value.shape[-3:].numel()
-    # Views 1.. show the photographs after the astronaut (test data's usual first).
-    stacked = varied_photos(1 + count, tuple(value.shape[-2:]), seed=seed)[1:]
+    # Views 1.. show the photographs after the astronaut (test data's usual first);
+    # ``skip`` batches of them further on for calibration, never the held-out ones.
+    first = 1 + skip * count
+    stacked = varied_photos(first + count, tuple(value.shape[-2:]), seed=seed, first=first)
     if value.shape[-3] == 1:
         stacked = stacked.mean(-3, keepdim=True)
     return (stacked * high).reshape(value.shape).to(value)
