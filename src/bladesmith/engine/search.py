@@ -294,11 +294,57 @@ def _saved_and_reloaded(
     best: Candidate, passes: list[Pass], trial: Trial, output_types: dict | None
 ) -> tuple[OptimizedModule, Spec]:
     """The optimized module and its spec, whose save formats are those that saved,
-    loaded back and judged on the test data and the held-out inputs passed."""
+    loaded back and judged on the test data and the held-out inputs passed: a detector's
+    module saved, in the formats it does not save in itself, through its family's
+    fixed-shape pipeline (``Pass.saving_form``)."""
+    optimized, spec = _tried_formats(best, passes, trial, output_types)
+    deployable = _saving_form(best, trial.context)
+    if deployable is None or set(spec.save_formats) == set(FORMATS):
+        return optimized, spec
+    missing = [each for each in FORMATS if each not in spec.save_formats]
+    through, _ = _tried_formats(deployable, passes, trial, output_types, only=missing)
+    added = [each for each in through.spec.save_formats if each not in spec.save_formats]
+    # A format that save builds and checks then (a .pt2): from the pipeline, which
+    # torch.export takes whole, where the module would hand it data-dependent shapes.
+    untried = [each for each in through.spec.untried_formats if each in missing]
+    if not added and not untried:
+        return optimized, spec
+    optimized.saved_forms = dict.fromkeys([*added, *untried], through)
+    why = "; ".join(f"{each}: {spec.refused_formats.get(each, 'not tried')}" for each in added)
+    trial.context.notes.append(
+        f"Saved as {', '.join([*added, *untried])} through the {deployable.family.name} "
+        "fixed-shape pipeline around the result's module (its weights as the passes left "
+        "them)" + (f", which the module itself does not save as ({why})" if why else "")
+    )
+    optimized.spec = dataclasses.replace(
+        spec,
+        save_formats=(*spec.save_formats, *added),
+        untried_formats={**spec.untried_formats, **through.spec.untried_formats},
+        refused_formats={k: v for k, v in spec.refused_formats.items() if k not in added},
+    )
+    return optimized, optimized.spec
+
+
+def _saving_form(best: Candidate, context: Context) -> Candidate | None:
+    """The first form of ``best`` that a registered pass saves it through, or None."""
+    forms = (each.saving_form(best, context) for each in registry.create_all())
+    return next((form for form in forms if form is not None), None)
+
+
+def _tried_formats(
+    best: Candidate,
+    passes: list[Pass],
+    trial: Trial,
+    output_types: dict | None,
+    only: list[str] | None = None,
+) -> tuple[OptimizedModule, Spec]:
+    """``best`` as an optimized module whose spec lists the formats it saved in (of
+    ``only``, when given), loaded back and whose outputs passed."""
     context, config = trial.context, trial.context.config
     backend = next((p for p in passes if p.name == best.backend), None)
     spec = spec_of(best, context, backend.saves_as if backend else None)
-    spec = dataclasses.replace(spec, output_types=output_types)
+    kept = [each for each in spec.save_formats if only is None or each in only]
+    spec = dataclasses.replace(spec, output_types=output_types, save_formats=tuple(kept))
     optimized = OptimizedModule.from_candidate(
         best,
         spec=spec,

@@ -93,6 +93,13 @@ class Pass:
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
         raise NotImplementedError(f"pass {self.name} does not implement apply()")
 
+    def saving_form(self, candidate: Candidate, context: Context) -> Candidate | None:
+        """``candidate`` in a form that computes the same outputs and saves in formats
+        it does not save in itself (a detector's fixed-shape pipeline, which traces where
+        the module's list of detections does not), or None: the engine saves through it
+        a result this pass was not kept on."""
+        return None
+
     @classmethod
     def summary(cls) -> str:
         """The first line of the pass's docstring."""
