@@ -140,7 +140,7 @@ def optimize(
     optimized, spec = _saved_and_reloaded(best, passes, trial, output_types)
     saved = _saved_timed(optimized, best is given, given, trial)
     doubts += [f"the saved result against the model as given: {d}" for d in saved.doubts]
-    progress.done(overall)
+    progress.done(overall, saved)
     held_line = final_held.line if final_held else _unchecked(held_out, best is given)
     report = report_of(
         model_info,
@@ -154,6 +154,7 @@ def optimize(
         held_line,
         reference,
         [each.name for each in passes if each.changes_arithmetic and each.name in best.applied],
+        {each.name: each.lost_in for each in passes if each.name in best.applied},
     )
     return optimized, spec, report
 

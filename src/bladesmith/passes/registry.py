@@ -85,6 +85,10 @@ class Pass:
     # or something that does not run; with Config(save_as=...) one of them, the pass is
     # skipped.
     refuses_formats: ClassVar[dict[str, str]] = {}
+    # Save formats that hold the result without this pass's gain, each with why (they
+    # run what it replaced): the result is saved in them, and the report says, where the
+    # artifact is one, that it loses the gain and which format keeps it.
+    lost_in: ClassVar[dict[str, str]] = {}
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         """Why this pass does not apply to ``candidate``, or None when it does."""
