@@ -14,7 +14,7 @@ from torch import nn
 import bladesmith
 from bladesmith.bench import Speedup
 from bladesmith.config import Config
-from bladesmith.engine.result import format_losses
+from bladesmith.engine.result import format_losses, headline
 from bladesmith.engine.saved_speed import SavedSpeed
 from bladesmith.passes import Pass
 from bladesmith.passes.winograd import Winograd
@@ -375,3 +375,24 @@ def test_a_format_that_keeps_every_gain_says_nothing():
         save_formats=(".pt",),
     )
     assert format_losses(spec, _figure(1.23), SavedSpeed(".pt", _figure(1.2)), LOST_IN) == ""
+
+
+def test_a_result_that_saves_in_no_format_says_so_first():
+    spec = Spec(
+        device="cpu",
+        dtype="float32",
+        input_shapes=((1, 3, 8, 8),),
+        output="detections",
+        passes=("norm_folding",),
+        backend="eager",
+        save_formats=(),
+        untried_formats={".pt2": "not tried during optimize"},
+        refused_formats={".pt": "it does not trace", ".onnx": "its outputs moved"},
+    )
+    line = headline(spec, _figure(1.2), SavedSpeed(None, None, "no format it saves in was tried"))
+    assert line == (
+        "NOTHING SAVES: no format saved and loaded back with the model's outputs, so no "
+        "checked file keeps this result (in this process 1.20x [1.14-1.26]): .pt: it does "
+        "not trace; .onnx: its outputs moved; untried: .pt2 (bladesmith.save builds it and "
+        "checks it)."
+    )

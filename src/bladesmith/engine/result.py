@@ -305,11 +305,14 @@ def headline(spec: Spec, overall: Speedup, saved) -> str:
     (``saved``, a ``SavedSpeed``); the in-process figure second. A result that saves in
     no format says so first."""
     here = f"in this process {overall.describe()}"
-    if not spec.save_formats and not spec.untried_formats:
+    if not spec.save_formats:
         refused = "; ".join(f"{suffix}: {why}" for suffix, why in spec.refused_formats.items())
+        untried = ", ".join(spec.untried_formats)
         return (
             f"NOTHING SAVES: no format saved and loaded back with the model's outputs, so no "
-            f"file keeps this result ({here}): {refused}."
+            f"checked file keeps this result ({here}): {refused}"
+            + (f"; untried: {untried} (bladesmith.save builds it and checks it)" if untried else "")
+            + "."
         )
     if not saved.measured:
         return f"The artifact: {saved.describe()}; {here}."
