@@ -72,7 +72,7 @@ def test_the_demo_prints_a_line_per_pass_when_piped(tmp_path):
     lines = _pass_lines(done.stderr)
     assert any(line.startswith("bladesmith: kept fixed_shape: ") for line in lines), done.stderr
     assert "\r" not in done.stderr and "\x1b[" not in done.stderr
-    assert "Overall" in done.stdout
+    assert "The artifact" in done.stdout
 
 
 def test_a_result_in_doubt_says_so_on_its_line(capsys):

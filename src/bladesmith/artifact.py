@@ -83,6 +83,9 @@ class OptimizedModule(nn.Module):
         # What runs returns plain containers: the model's own types are put back.
         types = spec.output_types if spec is not None else None
         self._typed = Rebuild(types) if types else None
+        # {suffix: the optimized module that ``save`` writes in that format} where it is
+        # not this one: a detector's module saved through its fixed-shape pipeline.
+        self.saved_forms: dict[str, OptimizedModule] = {}
 
     @classmethod
     def from_candidate(
@@ -192,7 +195,7 @@ def save(optimized: OptimizedModule, path: str | os.PathLike, *, inductor_config
         raise BladesmithError(f"save: path {str(path)!r} must end with one of: {known}")
     write(optimized, path, inductor_configs=inductor_configs)
     if path.suffix in spec.untried_formats:
-        problem = reload_problem(optimized, path)
+        problem = reload_problem(optimized.saved_forms.get(path.suffix, optimized), path)
         if problem is not None:
             path.unlink(missing_ok=True)
             shutil.rmtree(libraries.folder_beside(path), ignore_errors=True)
@@ -204,13 +207,15 @@ def write(optimized: OptimizedModule, path: Path, form: str = "", *, inductor_co
     """Write ``optimized`` in format ``form`` (a suffix; default ``path``'s), unchecked."""
     from bladesmith.config import Config
 
+    form = form or path.suffix
+    optimized = optimized.saved_forms.get(form, optimized)
     module, calls = optimized.candidate.module, optimized.verified_args
     options = {
         "inductor_configs": inductor_configs,
         "progress": Config.current().progress,
         "runner": optimized.candidate.runner,
     }
-    formats.write(module, calls, path, _metadata(optimized), form or path.suffix, **options)
+    formats.write(module, calls, path, _metadata(optimized), form, **options)
 
 
 def _metadata(optimized: OptimizedModule) -> dict:

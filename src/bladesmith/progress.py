@@ -78,11 +78,15 @@ class Progress:
                 highlight=False,
             )
 
-    def done(self, overall: Speedup) -> None:
+    def done(self, overall: Speedup, saved=None) -> None:
+        """The result's line: the saved artifact's figure (``saved``, a ``SavedSpeed``)
+        first, then the in-process one."""
         if self.lines:
             self._line(
-                f"result: {overall.baseline.p50_ms:.2f} ms -> {overall.candidate.p50_ms:.2f} ms "
-                f"(p50), {overall.describe()}"
+                "result: "
+                + (f"{saved.describe()}; " if saved is not None else "")
+                + f"in this process {overall.baseline.p50_ms:.2f} ms -> "
+                f"{overall.candidate.p50_ms:.2f} ms (p50), {overall.describe()}"
                 + (" (in doubt: see the report's diagnosis)" if overall.doubts else "")
             )
 

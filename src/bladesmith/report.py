@@ -223,19 +223,20 @@ class Report:
             )
         console.print(table)
 
-        console.print(
-            f"[bold]Overall[/], in this process: baseline {_latency(self.baseline)} -> optimized "
-            f"{_latency(self.optimized)}, speedup "
-            f"[bold]{_times(self.overall['speedup'], self.overall['interval'])}[/]"
-        )
+        # The artifact's figure first: a deployment runs the file.
         saved = self.saved or {}
         if saved.get("measured"):
             console.print(
-                f"Saved as {saved['format']}, reloaded in a new process: speedup "
-                f"[bold]{_times(saved['ratio'], [saved['low'], saved['high']])}[/]"
+                f"[bold]The artifact[/], saved as {saved['format']} and reloaded in a new "
+                f"process: speedup [bold]{_times(saved['ratio'], [saved['low'], saved['high']])}[/]"
             )
         elif saved.get("why"):
-            console.print(f"Saved: not timed ({escape(saved['why'])})")
+            console.print(f"[bold]The artifact[/]: not timed ({escape(saved['why'])})")
+        console.print(
+            f"In this process: baseline {_latency(self.baseline)} -> optimized "
+            f"{_latency(self.optimized)}, speedup "
+            f"{_times(self.overall['speedup'], self.overall['interval'])}"
+        )
         if self.baseline:
             rounds = len((self.speedup or {}).get("round_ratios") or ()) or 1
             console.print(

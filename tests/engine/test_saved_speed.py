@@ -3,15 +3,23 @@ processes and timed there in turn with the model as given, beside the in-process
 
 from __future__ import annotations
 
+import io
 import time
 
 import pytest
 import torch
+from rich.console import Console
 from torch import nn
 
 import bladesmith
+from bladesmith.bench import Speedup
 from bladesmith.config import Config
+from bladesmith.engine.result import format_losses, headline
+from bladesmith.engine.saved_speed import SavedSpeed
 from bladesmith.passes import Pass
+from bladesmith.passes.winograd import Winograd
+from bladesmith.runtimes.formats import FORMATS
+from bladesmith.spec import Spec
 from engine_testing import Memoized
 
 QUICK = Config(warmup=1, iters=6, min_speedup=1e-6, progress=False)
@@ -80,6 +88,10 @@ def test_a_runner_that_lives_only_in_process_does_not_lend_its_speed_to_the_file
     assert spec.passes == ("memoized",) and saved["measured"] and saved["format"] == ".pt"
     assert overall["speedup"] > 3 * saved["ratio"], (overall["speedup"], saved["ratio"])
     assert report.saved == saved
+    # No pass declares the loss (Pass.lost_in): the figures say it.
+    assert (saved["high"] < overall["interval"][0]) == (
+        "part of the gain lives only in this process" in report.diagnosis["message"]
+    )
 
 
 def test_the_model_as_given_is_not_timed_again_as_saved():
@@ -269,3 +281,118 @@ def test_rounds_that_agree_are_a_figure(monkeypatch):
     )
     saved = report.overall["saved"]
     assert saved["measured"] and saved["ratio"] == 2.0, saved
+
+
+def test_the_headline_is_the_artifacts_figure_then_the_in_process_one():
+    _, _, report = bladesmith.optimize(
+        Sleepy().eval(), device="cpu", test_data=[torch.randn(2, 4)], config=QUICK, passes=[Awake()]
+    )
+    first, *_ = report.diagnosis["message"].splitlines()
+    saved = report.overall["saved"]
+    if saved["measured"]:
+        assert first.startswith("The artifact, saved as .pt and reloaded in a new process: ")
+        assert f"{saved['ratio']:.2f}x" in first.split("in this process")[0]
+    else:  # too loaded to measure: said first, all the same
+        assert first.startswith("The artifact: saved: not measured ("), first
+    assert first.index("in this process") > first.index("The artifact")
+    console = Console(file=io.StringIO(), width=200)
+    report.render(console)
+    shown = console.file.getvalue()
+    assert shown.index("The artifact") < shown.index("In this process")
+
+
+class MemoizedHere(Memoized):
+    """Memoized, declaring what it is: its gain lives in this process, in no file."""
+
+    name = "memoized_here"
+    lost_in = dict.fromkeys(FORMATS, "its memory of the outputs stays in this process")
+
+
+def test_a_format_that_loses_a_passs_gain_says_so_in_words():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.Flatten(0)
+    ).eval()
+    _, spec, report = bladesmith.optimize(
+        model,
+        device="cpu",
+        test_data=[torch.rand(1, 3, 96, 96)],
+        config=QUICK,
+        passes=[MemoizedHere()],
+    )
+    lines = report.diagnosis["message"].splitlines()
+    assert lines[0].startswith("The artifact"), lines
+    assert lines[1].startswith(
+        "Saved as .pt, the artifact loses the gain of memoized_here (memoized_here: its "
+        "memory of the outputs stays in this process)"
+    ), lines
+    assert lines[1].endswith("; no format keeps it."), lines
+    if report.overall["saved"]["measured"]:
+        assert " saved against " in lines[1] and " in this process; " in lines[1]
+
+
+LOST_IN = {"winograd": Winograd.lost_in}
+
+
+def _figure(ratio: float) -> Speedup:
+    return Speedup(ratio, ratio * 0.95, ratio * 1.05, 0.95, (), None, None)
+
+
+@pytest.mark.parametrize(
+    ("saved_formats", "keeps"),
+    [
+        ((".onnx", ".pt"), '.pt keeps it: save as .pt (bladesmith.save(optimized, "model.pt")'),
+        ((".onnx",), "the format that would keep it, .pt, refused here (it does not trace)"),
+    ],
+)
+def test_the_format_that_keeps_a_lost_gain_is_named(saved_formats, keeps):
+    # Keypoint R-CNN on a CPU: winograd kept, .onnx the artifact, which holds the plain
+    # convolutions: 0.97x saved against 1.23x in process.
+    spec = Spec(
+        device="cpu",
+        dtype="float32",
+        input_shapes=((1, 3, 8, 8),),
+        output="detections",
+        passes=("fixed_shape", "winograd"),
+        backend="eager",
+        save_formats=saved_formats,
+        refused_formats={} if ".pt" in saved_formats else {".pt": "it does not trace"},
+    )
+    line = format_losses(spec, _figure(1.23), SavedSpeed(".onnx", _figure(0.97)), LOST_IN)
+    assert line.startswith("Saved as .onnx, the artifact loses the gain of winograd (winograd: ")
+    assert ": 0.97x [0.92-1.02] saved against 1.23x [1.17-1.29] in this process; " in line
+    assert keeps in line, line
+
+
+def test_a_format_that_keeps_every_gain_says_nothing():
+    spec = Spec(
+        device="cpu",
+        dtype="float32",
+        input_shapes=((1, 3, 8, 8),),
+        output="detections",
+        passes=("winograd",),
+        backend="eager",
+        save_formats=(".pt",),
+    )
+    assert format_losses(spec, _figure(1.23), SavedSpeed(".pt", _figure(1.2)), LOST_IN) == ""
+
+
+def test_a_result_that_saves_in_no_format_says_so_first():
+    spec = Spec(
+        device="cpu",
+        dtype="float32",
+        input_shapes=((1, 3, 8, 8),),
+        output="detections",
+        passes=("norm_folding",),
+        backend="eager",
+        save_formats=(),
+        untried_formats={".pt2": "not tried during optimize"},
+        refused_formats={".pt": "it does not trace", ".onnx": "its outputs moved"},
+    )
+    line = headline(spec, _figure(1.2), SavedSpeed(None, None, "no format it saves in was tried"))
+    assert line == (
+        "NOTHING SAVES: no format saved and loaded back with the model's outputs, so no "
+        "checked file keeps this result (in this process 1.20x [1.14-1.26]): .pt: it does "
+        "not trace; .onnx: its outputs moved; untried: .pt2 (bladesmith.save builds it and "
+        "checks it)."
+    )

@@ -193,12 +193,14 @@ def report_of(
     held_out: str,
     reference,
     changed_arithmetic: list[str],
+    lost_in: dict[str, dict[str, str]],
 ) -> Report:
     """The report of a run: the result ``spec``, timed at ``overall`` against the model
     as given (``saved``: the saved result's speed), the passes' ``records``, the result's
     ``accuracy`` (a ``verify.Comparison``), what its ``held_out`` check said and whether
     the ``reference`` (``engine.reference.Reference``) could verify anything
-    (``changed_arithmetic``: the passes in the result that change the arithmetic)."""
+    (``changed_arithmetic``: the passes in the result that change the arithmetic;
+    ``lost_in``: {kept pass: the formats that lose its gain, ``Pass.lost_in``})."""
     if context.config.output == "padded" and spec.family is None:
         context.notes.append(
             "output='padded' applies to models a family adapts to a fixed-shape pipeline "
@@ -227,6 +229,7 @@ def report_of(
             doubts,
             saved,
             _not_verified(reference, changed_arithmetic),
+            lost_in,
         ),
         optimizations=records,
         baseline=overall.baseline,
@@ -277,19 +280,22 @@ def _diagnosis(
     doubts: list[str],
     saved,
     not_verified: str,
+    lost_in: dict[str, dict[str, str]],
 ) -> dict:
     """The report's diagnosis; ``saved``: the saved result's speed (``SavedSpeed``);
-    ``not_verified``: why the test inputs verify nothing, its headline."""
+    ``not_verified``: why the test inputs verify nothing, its headline; ``lost_in``: what
+    each kept pass's gain is lost in (``format_losses``)."""
     kept = ", ".join(spec.passes) or "no pass (the result is the model as given)"
     lines = [
         not_verified,
+        headline(spec, overall, saved),
+        format_losses(spec, overall, saved, lost_in),
         f"{info['name']} ({info['format']}, {info['parameters'] / 1e6:.1f}M parameters) on "
         f"{context.device}, level {context.level}.",
         *context.notes,
         f"Tolerance: {spec.tolerance['why']}." if spec.tolerance else "",
         f"Kept {kept}: {overall.baseline.p50_ms:.2f} ms -> {overall.candidate.p50_ms:.2f} ms "
-        f"(p50), {overall.describe()}; runs as {spec.backend} in {spec.dtype}.",
-        f"The artifact: {saved.describe()} (in-process {overall.describe()}).",
+        f"(p50) in this process; runs as {spec.backend} in {spec.dtype}.",
         f"Timing: {bench.STATISTIC}.",
     ]
     if doubts:
@@ -304,6 +310,77 @@ def _diagnosis(
         "doubts": doubts,
         "verified": not not_verified,
     }
+
+
+def headline(spec: Spec, overall: Speedup, saved) -> str:
+    """The report's first figure: the saved artifact's, reloaded in a new process
+    (``saved``, a ``SavedSpeed``); the in-process figure second. A result that saves in
+    no format says so first."""
+    here = f"in this process {overall.describe()}"
+    if not spec.save_formats:
+        refused = "; ".join(f"{suffix}: {why}" for suffix, why in spec.refused_formats.items())
+        untried = ", ".join(spec.untried_formats)
+        return (
+            f"NOTHING SAVES: no format saved and loaded back with the model's outputs, so no "
+            f"checked file keeps this result ({here}): {refused}"
+            + (f"; untried: {untried} (bladesmith.save builds it and checks it)" if untried else "")
+            + "."
+        )
+    if not saved.measured:
+        return f"The artifact: {saved.describe()}; {here}."
+    return (
+        f"The artifact, saved as {saved.suffix} and reloaded in a new process: "
+        f"{saved.speedup.describe()} (the model as given timed {saved.given}); {here}."
+    )
+
+
+def format_losses(spec: Spec, overall: Speedup, saved, lost_in: dict[str, dict[str, str]]) -> str:
+    """What the artifact's format (``saved.suffix``, else the first saved) loses of the
+    result's gain, in words: the kept passes whose gain it does not hold (``lost_in``:
+    {pass: its ``Pass.lost_in``}) and the format that keeps them, or, with no pass to
+    name, that the saved file measured slower than the result in this process beyond
+    the noise; "" when it loses nothing."""
+    suffix = saved.suffix or (spec.save_formats[0] if spec.save_formats else None)
+    losing = {
+        name: formats[suffix]
+        for name, formats in lost_in.items()
+        if name in spec.passes and suffix in formats
+    }
+    figures = (
+        f"{saved.speedup.describe()} saved against {overall.describe()} in this process"
+        if saved.measured
+        else ""
+    )
+    if not losing:
+        if saved.measured and saved.speedup.high < overall.low:
+            return (
+                f"The saved {suffix} runs slower than the result does in this process "
+                f"({figures}): part of the gain lives only in this process."
+            )
+        return ""
+    why = "; ".join(f"{name}: {reason}" for name, reason in losing.items())
+    keeping = [
+        each
+        for each in FORMATS
+        if each != suffix and not any(each in lost_in[name] for name in losing)
+    ]
+    saved_keeping = [each for each in keeping if each in spec.save_formats]
+    if saved_keeping:
+        keep = saved_keeping[0]
+        keep = f'{keep} keeps it: save as {keep} (bladesmith.save(optimized, "model{keep}"))'
+    else:
+        refused = [
+            f"{each}, refused here ({spec.refused_formats[each]})"
+            for each in keeping
+            if each in spec.refused_formats
+        ]
+        keep = "the format that would keep it, " + "; ".join(refused) if refused else ""
+        keep = keep or "no format keeps it"
+    return (
+        f"Saved as {suffix}, the artifact loses the gain of {', '.join(losing)} ({why})"
+        + (f": {figures}" if figures else "")
+        + f"; {keep}."
+    )
 
 
 def _compatibility(device: torch.device, spec: Spec) -> dict:

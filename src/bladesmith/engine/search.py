@@ -143,7 +143,7 @@ def optimize(
     optimized, spec = _saved_and_reloaded(best, passes, trial, output_types, final_held)
     saved = _saved_timed(optimized, best is given, given, trial)
     doubts += [f"the saved result against the model as given: {d}" for d in saved.doubts]
-    progress.done(overall)
+    progress.done(overall, saved)
     held_line = final_held.line if final_held else _unchecked(held_out, best is given)
     report = report_of(
         model_info,
@@ -157,6 +157,7 @@ def optimize(
         held_line,
         reference,
         [each.name for each in passes if each.changes_arithmetic and each.name in best.applied],
+        {each.name: each.lost_in for each in passes if each.name in best.applied},
     )
     return optimized, spec, report
 
@@ -301,15 +302,62 @@ def _saved_and_reloaded(
     held: Verdict | None,
 ) -> tuple[OptimizedModule, Spec]:
     """The optimized module and its spec, whose save formats are those that saved,
-    loaded back and judged on the test data and the held-out inputs passed; its
-    tolerance is the task metric's verdict (``held``) where that judged the result."""
+    loaded back and judged on the test data and the held-out inputs passed (its tolerance
+    the task metric's verdict, ``held``, where that judged the result): a detector's
+    module saved, in the formats it does not save in itself, through its family's
+    fixed-shape pipeline (``Pass.saving_form``)."""
+    optimized, spec = _tried_formats(best, passes, trial, output_types, held)
+    deployable = _saving_form(best, trial.context)
+    if deployable is None or set(spec.save_formats) == set(FORMATS):
+        return optimized, spec
+    missing = [each for each in FORMATS if each not in spec.save_formats]
+    through, _ = _tried_formats(deployable, passes, trial, output_types, held, only=missing)
+    added = [each for each in through.spec.save_formats if each not in spec.save_formats]
+    # A format that save builds and checks then (a .pt2): from the pipeline, which
+    # torch.export takes whole, where the module would hand it data-dependent shapes.
+    untried = [each for each in through.spec.untried_formats if each in missing]
+    if not added and not untried:
+        return optimized, spec
+    optimized.saved_forms = dict.fromkeys([*added, *untried], through)
+    why = "; ".join(f"{each}: {spec.refused_formats.get(each, 'not tried')}" for each in added)
+    trial.context.notes.append(
+        f"Saved as {', '.join([*added, *untried])} through the {deployable.family.name} "
+        "fixed-shape pipeline around the result's module (its weights as the passes left "
+        "them)" + (f", which the module itself does not save as ({why})" if why else "")
+    )
+    optimized.spec = dataclasses.replace(
+        spec,
+        save_formats=(*spec.save_formats, *added),
+        untried_formats={**spec.untried_formats, **through.spec.untried_formats},
+        refused_formats={k: v for k, v in spec.refused_formats.items() if k not in added},
+    )
+    return optimized, optimized.spec
+
+
+def _saving_form(best: Candidate, context: Context) -> Candidate | None:
+    """The first form of ``best`` that a registered pass saves it through, or None."""
+    forms = (each.saving_form(best, context) for each in registry.create_all())
+    return next((form for form in forms if form is not None), None)
+
+
+def _tried_formats(
+    best: Candidate,
+    passes: list[Pass],
+    trial: Trial,
+    output_types: dict | None,
+    held: Verdict | None,
+    only: list[str] | None = None,
+) -> tuple[OptimizedModule, Spec]:
+    """``best`` as an optimized module whose spec lists the formats it saved in (of
+    ``only``, when given), loaded back and whose outputs passed."""
     context, config = trial.context, trial.context.config
     tolerance = trial.reference.tolerance(best.dtype, config)
     if best.computes_in.by_metric and held is not None:
         tolerance = {**(held.metric or {}), "why": f"judged by the task's metric: {held.line}"}
     backend = next((p for p in passes if p.name == best.backend), None)
     spec = spec_of(best, context, backend.saves_as if backend else None)
-    spec = dataclasses.replace(spec, output_types=output_types)
+    kept = [each for each in spec.save_formats if only is None or each in only]
+    spec = dataclasses.replace(spec, output_types=output_types, save_formats=tuple(kept))
     optimized = OptimizedModule.from_candidate(
         best,
         spec=spec,

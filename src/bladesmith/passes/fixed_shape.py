@@ -50,6 +50,21 @@ class FixedShape(Pass):
             context.notes.append(note)
         return adapted
 
+    def saving_form(self, candidate: Candidate, context: Context) -> Candidate | None:
+        """The pipeline around the result's module (its weights as the other passes left
+        them), where this pass was dropped (slower than the model's own post-processing:
+        on a CPU, often) and the result is the model's module, run as itself."""
+        if candidate.runner is not None or self.skip_reason(candidate, context) is not None:
+            return None
+        try:
+            image_size = _single_image_size(context.test_args)
+        except PassSkipped:
+            return None
+        pipeline = family_of(candidate.module).adapt(candidate.module, image_size)
+        return candidate.with_module(
+            pipeline.to(context.device), self.name, family=family_of(candidate.module)
+        )
+
 
 def _single_image_size(test_args: list[tuple]) -> tuple[int, int]:
     sizes = set()

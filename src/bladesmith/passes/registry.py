@@ -90,6 +90,10 @@ class Pass:
     # or something that does not run; with Config(save_as=...) one of them, the pass is
     # skipped.
     refuses_formats: ClassVar[dict[str, str]] = {}
+    # Save formats that hold the result without this pass's gain, each with why (they
+    # run what it replaced): the result is saved in them, and the report says, where the
+    # artifact is one, that it loses the gain and which format keeps it.
+    lost_in: ClassVar[dict[str, str]] = {}
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         """Why this pass does not apply to ``candidate``, or None when it does."""
@@ -97,6 +101,13 @@ class Pass:
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
         raise NotImplementedError(f"pass {self.name} does not implement apply()")
+
+    def saving_form(self, candidate: Candidate, context: Context) -> Candidate | None:
+        """``candidate`` in a form that computes the same outputs and saves in formats
+        it does not save in itself (a detector's fixed-shape pipeline, which traces where
+        the module's list of detections does not), or None: the engine saves through it
+        a result this pass was not kept on."""
+        return None
 
     @classmethod
     def summary(cls) -> str:

@@ -84,6 +84,13 @@ class Winograd(Pass):
     name = "winograd"
     rewrites_modules = True
     devices = ("cpu",)
+    # TorchScript traces the operator (.pt keeps it); an export or a compile sees the
+    # plain convolutions again.
+    lost_in = {
+        ".onnx": "an ONNX export holds the plain convolutions, which oneDNN runs",
+        ".pt2": "torch.export holds the plain convolutions",
+        ".ov": "OpenVINO converts the plain convolutions",
+    }
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         if candidate.dtype != torch.float32:
