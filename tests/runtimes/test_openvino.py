@@ -148,7 +148,10 @@ def test_doctor_lists_openvino_and_its_devices():
     assert shown.version is not None and shown.detail.startswith("devices: CPU (")
 
 
-def test_a_detector_pipeline_calling_bladesmith_operators_is_refused_by_name():
+def test_a_detector_pipeline_runs_in_openvino_with_its_nms_as_the_cpu_kernel_gives_it():
+    """The fixed-shape pipeline calls bladesmith's decode + NMS, which OpenVINO's PyTorch
+    converter has no rule for: it converts through ONNX, NMS as NonMaxSuppression, and
+    gives the CPU kernel's detections, slot for slot."""
     from bladesmith.passes import Candidate
     from bladesmith.passes.fixed_shape import FixedShape
     from engine_testing import context_for, tiny_detector
@@ -156,5 +159,14 @@ def test_a_detector_pipeline_calling_bladesmith_operators_is_refused_by_name():
     model, photos = tiny_detector()
     context = context_for((photos,))
     pipeline = FixedShape().apply(Candidate(module=model, device=torch.device("cpu")), context)
-    reason = OpenVino().skip_reason(pipeline, context)
-    assert reason.startswith("OpenVINO's PyTorch converter has no rule for bladesmith::")
+    assert OpenVino().skip_reason(pipeline, context) is None
+    converted = OpenVino().apply(pipeline, context)
+    assert any("bladesmith::retinanet_postprocess lowered" in n for n in context.notes)
+    args = pipeline.runner_args(context.example_args)
+    with torch.no_grad():
+        boxes, scores, labels, count = pipeline.module(*args)
+        got_boxes, got_scores, got_labels, got_count = converted.module(*args)
+    assert int(count) > 100 and torch.equal(got_count, count)  # the NMS kept as many
+    assert torch.equal(got_labels, labels)
+    torch.testing.assert_close(got_scores, scores, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_boxes, boxes, rtol=1e-4, atol=1e-2)

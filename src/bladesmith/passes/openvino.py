@@ -7,8 +7,11 @@ default), ``openvino_threads`` and ``openvino_streams``. OpenVINO picks its infe
 precision itself: bf16 on a CPU with bf16 instructions. The ``openvino`` pass runs in
 that precision and says so (its result's dtype is what OpenVINO reports it compiled
 in, and the engine's tolerance follows); ``openvino_f32`` asks for f32, for where the
-default moved the outputs past tolerance. Neither takes an operator the converter has
-no rule for (the user's, bladesmith's): the pass is skipped naming it.
+default moved the outputs past tolerance. A module calling bladesmith's operators (a
+detector's fixed-shape pipeline: decode, NMS, RoI pooling) is converted from
+bladesmith's ONNX export with them lowered to standard operators, NMS to ONNX's
+NonMaxSuppression, which OpenVINO runs as its own. Any other operator the converter
+has no rule for (the user's) skips the pass, naming it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import importlib.util
 
 import torch
 
+from bladesmith.onnx.symbolic import LOWERED_TO_STANDARD
 from bladesmith.ops import libraries
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
@@ -27,6 +31,9 @@ from bladesmith.runtimes.formats import FORMATS
 
 # Namespaces whose operators OpenVINO's PyTorch frontend converts.
 _CONVERTED = ("aten", "prim", "torchvision", "quantized")
+# bladesmith's operators with a lowering to standard ONNX: a module calling them is
+# converted by OpenVINO's ONNX frontend from bladesmith's "standard" export instead.
+_VIA_ONNX = frozenset(f"bladesmith::{name}" for name in LOWERED_TO_STANDARD)
 
 
 @functools.cache
@@ -76,12 +83,11 @@ class OpenVino(Pass):
                 f"the test data passes non-tensor arguments ({', '.join(baked)}), which the "
                 "conversion would hold as constants"
             )
-        called = libraries.all_operators_called(candidate.module, args)
-        foreign = sorted(op for op in called if op.partition("::")[0] not in _CONVERTED)
+        foreign = [op for op in _not_converted(candidate.module, args) if op not in _VIA_ONNX]
         if foreign:
             return (
                 f"OpenVINO's PyTorch converter has no rule for {', '.join(foreign)} (no "
-                "OpenVINO extension maps it)"
+                "OpenVINO extension maps it, nor a lowering to standard ONNX)"
             )
         return None
 
@@ -91,8 +97,15 @@ class OpenVino(Pass):
             config.openvino_hint, config.openvino_threads, config.openvino_streams, self.precision
         )
         args = candidate.runner_args(context.example_args)
-        with context.step("converting to OpenVINO IR"):
-            runner = openvino.runner_for(candidate.module, args, chosen)
+        lowered = _not_converted(candidate.module, args)  # all in _VIA_ONNX: skip_reason
+        route = "through ONNX, " + ", ".join(lowered) + " lowered" if lowered else "from torch"
+        with context.step(f"converting to OpenVINO IR ({route})"):
+            runner = openvino.runner_for(candidate.module, args, chosen, via_onnx=bool(lowered))
+        if lowered:
+            context.notes.append(
+                f"{self.name} converted the model {route} to standard ONNX operators "
+                "(OpenVINO's PyTorch converter has no rule for them)"
+            )
         with context.step("compiling for the CPU"):
             runner(*args)
         used = runner.used()
@@ -119,6 +132,12 @@ class OpenVinoF32(OpenVino):
         if default == "f32":
             return "OpenVINO computes in f32 here by default: the openvino pass tried it"
         return super().skip_reason(candidate, context)
+
+
+def _not_converted(module, args: tuple) -> list[str]:
+    """The operators ``module`` calls that OpenVINO's PyTorch converter has no rule for."""
+    called = libraries.all_operators_called(module, args)
+    return sorted(op for op in called if op.partition("::")[0] not in _CONVERTED)
 
 
 def _installed_default() -> str | None:

@@ -106,9 +106,13 @@ def precision_name(element_type) -> str:
     return element_type.get_type_name()
 
 
-def convert(module, args: tuple) -> tuple:
-    """``module`` converted on ``args`` (torch's trace, by OpenVINO's PyTorch frontend):
-    the OpenVINO model, and the output structure and dtypes to give back."""
+def convert(module, args: tuple, via_onnx: bool = False) -> tuple:
+    """``module`` converted on ``args``: the OpenVINO model, and the output structure and
+    dtypes to give back. By OpenVINO's PyTorch frontend (torch's trace); ``via_onnx``,
+    for a module calling bladesmith's operators, which that frontend has no rule for, by
+    its ONNX frontend from bladesmith's export with the operators lowered to standard
+    ONNX (NMS as NonMaxSuppression, one score plane per class: torchvision's per-class
+    NMS, which OpenVINO's NonMaxSuppression computes too)."""
     import openvino
 
     with torch.no_grad():
@@ -116,13 +120,22 @@ def convert(module, args: tuple) -> tuple:
     if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
         kinds = sorted({type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)})
         raise ValueError(f"the model returns {', '.join(kinds)} besides tensors")
-    model = openvino.convert_model(module, example_input=tensors_in(args))
+    if via_onnx:
+        from bladesmith.onnx import exporter
+
+        with tempfile.TemporaryDirectory(prefix="bladesmith-openvino-") as directory:
+            path = exporter.export(
+                module, args, Path(directory) / "model.onnx", custom_ops="standard"
+            )
+            model = openvino.convert_model(str(path))
+    else:
+        model = openvino.convert_model(module, example_input=tensors_in(args))
     dtypes = [str(leaf.dtype).removeprefix("torch.") for leaf in leaves]
     return model, output_spec, dtypes
 
 
-def runner_for(module, args: tuple, chosen: dict) -> OpenVinoRunner:
-    model, output_spec, dtypes = convert(module, args)
+def runner_for(module, args: tuple, chosen: dict, via_onnx: bool = False) -> OpenVinoRunner:
+    model, output_spec, dtypes = convert(module, args, via_onnx)
     return OpenVinoRunner(model, chosen, output_spec, dtypes)
 
 
