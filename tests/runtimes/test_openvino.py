@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 import torch
@@ -139,6 +140,28 @@ def test_export_triton_serves_it_through_the_python_backend(mobilenet, tmp_path)
     model_dir = write_repository(path, tmp_path / "repo")
     assert 'backend: "python"' in (model_dir / "config.pbtxt").read_text()
     assert (model_dir / "1" / "m.ov").is_file() and (model_dir / "1" / "model.py").is_file()
+
+
+@pytest.mark.slow
+def test_serve_answers_a_request_with_the_artifacts_outputs(mobilenet, tmp_path):
+    """`bladesmith serve` of a .ov: tritonserver started, asked, its answer the loaded
+    artifact's, stopped (the context manager's exit)."""
+    pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton (bladesmith[serve])")
+    from serve.serve_testing import free_ports  # tests/serve, a namespace package
+
+    _, x, optimized, _, _ = mobilenet
+    path = bladesmith.save(optimized, tmp_path / "m.ov")
+    http, grpc, metrics = free_ports(3)
+    with bladesmith.serve(
+        path, http_port=http, grpc_port=grpc, metrics_port=metrics, block=False
+    ) as server:
+        with bladesmith.client(server.url, "m") as client:
+            (answer,) = client(x.numpy())
+    with pytest.raises(OSError):  # stopped: nothing answers on its port
+        urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/live", timeout=5)
+    with torch.no_grad():
+        expected = optimized(x)[0]
+    torch.testing.assert_close(answer["output_0"], expected, rtol=1e-4, atol=1e-5)
 
 
 def test_doctor_lists_openvino_and_its_devices():
