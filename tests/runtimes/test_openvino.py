@@ -107,6 +107,38 @@ def test_a_user_operator_is_refused_by_name(user_library):
     assert USER_OPERATOR in spec.refused_formats[".ov"]
 
 
+def _scale_clip_in_standard_onnx(g, x, scale, limit):
+    def constant(value):
+        return g.op("Constant", value_t=torch.tensor(value, dtype=torch.float32))
+
+    return g.op("Clip", g.op("Mul", x, constant(scale)), constant(-limit), constant(limit))
+
+
+def test_a_user_operator_with_a_standard_onnx_lowering_converts_through_onnx(
+    user_library, monkeypatch
+):
+    from bladesmith.onnx import user_ops
+
+    monkeypatch.setattr(user_ops, "_TRANSLATIONS", {})
+    user_ops.register_op(USER_OPERATOR, symbolic=_scale_clip_in_standard_onnx)
+    torch.manual_seed(0)
+    model, x = UsesTheOperator().eval(), torch.randn(1, 3, 16, 16)
+    optimized, spec, report = bladesmith.optimize(
+        model,
+        device="cpu",
+        test_data=[(x,)],
+        config=Config(warmup=0, iters=1, progress=False, save_as=".ov"),
+        passes=[OpenVino()],
+    )
+    (record,) = report.optimizations
+    assert spec.backend == "openvino" and ".ov" not in spec.refused_formats, record.reason
+    assert any(f"{USER_OPERATOR} lowered" in line for line in report.diagnosis["notes"])
+    with torch.no_grad():
+        got, expected = optimized(x), model(x)
+    assert expected.abs().max() == 1.5  # the clip is exercised
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 _WITHOUT_OPENVINO = """
 import sys
 sys.modules["openvino"] = None  # as if it were not installed: its import fails

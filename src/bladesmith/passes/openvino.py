@@ -10,8 +10,10 @@ in, and the engine's tolerance follows); ``openvino_f32`` asks for f32, for wher
 default moved the outputs past tolerance. A module calling bladesmith's operators (a
 detector's fixed-shape pipeline: decode, NMS, RoI pooling) is converted from
 bladesmith's ONNX export with them lowered to standard operators, NMS to ONNX's
-NonMaxSuppression, which OpenVINO runs as its own. Any other operator the converter
-has no rule for (the user's) skips the pass, naming it.
+NonMaxSuppression, which OpenVINO runs as its own; so is one calling the user's
+operators registered with a lowering (``bladesmith.onnx.register_op`` with
+``onnxscript=`` or ``symbolic=``). Any other operator the converter has no rule for
+skips the pass, naming it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import importlib.util
 
 import torch
 
-from bladesmith.onnx.symbolic import LOWERED_TO_STANDARD
 from bladesmith.ops import libraries
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context, Pass
@@ -31,9 +32,6 @@ from bladesmith.runtimes.formats import FORMATS
 
 # Namespaces whose operators OpenVINO's PyTorch frontend converts.
 _CONVERTED = ("aten", "prim", "torchvision", "quantized")
-# bladesmith's operators with a lowering to standard ONNX: a module calling them is
-# converted by OpenVINO's ONNX frontend from bladesmith's "standard" export instead.
-_VIA_ONNX = frozenset(f"bladesmith::{name}" for name in LOWERED_TO_STANDARD)
 
 
 @functools.cache
@@ -83,11 +81,12 @@ class OpenVino(Pass):
                 f"the test data passes non-tensor arguments ({', '.join(baked)}), which the "
                 "conversion would hold as constants"
             )
-        foreign = [op for op in _not_converted(candidate.module, args) if op not in _VIA_ONNX]
+        foreign = [op for op in _not_converted(candidate.module, args) if not openvino.lowered(op)]
         if foreign:
             return (
-                f"OpenVINO's PyTorch converter has no rule for {', '.join(foreign)} (no "
-                "OpenVINO extension maps it, nor a lowering to standard ONNX)"
+                f"OpenVINO's PyTorch converter has no rule for {', '.join(foreign)}, and "
+                "it has no lowering to standard ONNX (bladesmith.onnx.register_op with "
+                "onnxscript= or symbolic= gives one)"
             )
         return None
 
@@ -97,7 +96,7 @@ class OpenVino(Pass):
             config.openvino_hint, config.openvino_threads, config.openvino_streams, self.precision
         )
         args = candidate.runner_args(context.example_args)
-        lowered = _not_converted(candidate.module, args)  # all in _VIA_ONNX: skip_reason
+        lowered = _not_converted(candidate.module, args)  # all lowered: skip_reason
         route = "through ONNX, " + ", ".join(lowered) + " lowered" if lowered else "from torch"
         with context.step(f"converting to OpenVINO IR ({route})"):
             runner = openvino.runner_for(candidate.module, args, chosen, via_onnx=bool(lowered))

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from bladesmith.onnx import user_ops
+from bladesmith.onnx.symbolic import LOWERED_TO_STANDARD
 from bladesmith.runtimes.built_for import follows_the_batch, tensors_in
 from bladesmith.runtimes.format import Format
 
@@ -37,6 +39,8 @@ _GRAPH, _WEIGHTS = "model.xml", "model.bin"
 DEVICE = "CPU"
 # OpenVINO's inference precision -> the torch dtype its arithmetic runs in.
 PRECISIONS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+# bladesmith's operators with a lowering to standard ONNX.
+_BLADESMITH_LOWERED = frozenset(f"bladesmith::{name}" for name in LOWERED_TO_STANDARD)
 
 
 def core():
@@ -134,6 +138,16 @@ def convert(module, args: tuple, via_onnx: bool = False) -> tuple:
     return model, output_spec, dtypes
 
 
+def lowered(operator: str) -> bool:
+    """Whether bladesmith's ONNX export lowers ``operator``, which OpenVINO's PyTorch
+    converter has no rule for, to standard ONNX (then ``convert(via_onnx=True)`` takes
+    it): one of bladesmith's, or the user's registered with onnxscript= or symbolic=."""
+    if operator in _BLADESMITH_LOWERED:
+        return True
+    translation = user_ops.translation(operator)
+    return translation is not None and not translation.custom_node
+
+
 def runner_for(module, args: tuple, chosen: dict, via_onnx: bool = False) -> OpenVinoRunner:
     model, output_spec, dtypes = convert(module, args, via_onnx)
     return OpenVinoRunner(model, chosen, output_spec, dtypes)
@@ -207,10 +221,12 @@ class OpenVino(Format):
         return self.missing_package() or super().refuses(module, device)
 
     def refuses_operators(self, operators) -> str | None:
-        if operators:
+        refused = sorted(op for op in operators if not lowered(op))
+        if refused:
             return (
-                f"OpenVINO's PyTorch converter cannot take {', '.join(sorted(operators))} "
-                "(the user's operators: no OpenVINO extension maps them)"
+                f"OpenVINO's converters cannot take {', '.join(refused)} (the user's "
+                "operators, with no lowering to standard ONNX: bladesmith.onnx.register_op "
+                "with onnxscript= or symbolic= gives one)"
             )
         return None
 
