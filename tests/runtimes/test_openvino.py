@@ -225,3 +225,34 @@ def test_a_detector_pipeline_runs_in_openvino_with_its_nms_as_the_cpu_kernel_giv
     assert torch.equal(got_labels, labels)
     torch.testing.assert_close(got_scores, scores, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got_boxes, boxes, rtol=1e-4, atol=1e-2)
+
+
+class BatchedNms(nn.Module):
+    def forward(self, boxes, scores, labels):
+        return torch.ops.bladesmith.batched_nms(boxes, scores, labels, 0.5, 40)
+
+
+def test_bladesmith_batched_nms_in_openvino_keeps_what_the_cpu_kernel_keeps():
+    """A lone batched_nms (labels as data) converts through ONNX (NonMaxSuppression on
+    boxes offset by class) and keeps the CPU kernel's detections in its order, padding
+    and ignored entries (negative labels) included, on many overlapping boxes."""
+    from bladesmith import ops
+    from bladesmith.passes import Candidate
+    from engine_testing import context_for
+
+    ops.load_library()
+    generator = torch.Generator().manual_seed(0)
+    corners = torch.rand(2, 200, 2, generator=generator) * 100
+    sides = torch.rand(2, 200, 2, generator=generator) * 30 + 5
+    boxes = torch.cat([corners, corners + sides], dim=2)
+    scores = torch.rand(2, 200, generator=generator)
+    labels = torch.randint(-1, 4, (2, 200), generator=generator)
+    args = (boxes, scores, labels)
+    context = context_for(args)
+    candidate = Candidate(module=BatchedNms(), device=torch.device("cpu"))
+    assert OpenVino().skip_reason(candidate, context) is None
+    converted = OpenVino().apply(candidate, context)
+    expected, got = BatchedNms()(*args), converted.module(*args)
+    assert 0 < int(expected[3].min()) and int(expected[3].max()) <= 40
+    for want, have in zip(expected, got, strict=True):
+        torch.testing.assert_close(have, want, rtol=0, atol=0)
