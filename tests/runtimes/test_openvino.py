@@ -227,6 +227,27 @@ def test_a_detector_pipeline_runs_in_openvino_with_its_nms_as_the_cpu_kernel_giv
     torch.testing.assert_close(got_boxes, boxes, rtol=1e-4, atol=1e-2)
 
 
+@pytest.mark.slow
+def test_a_detector_saved_as_ov_reloads_in_a_new_process_with_its_detections(tmp_path):
+    from bladesmith.passes.fixed_shape import FixedShape
+    from engine_testing import tiny_detector
+
+    model, photos = tiny_detector()
+    optimized, spec, report = bladesmith.optimize(
+        model,
+        device="cpu",
+        test_data=[(photos,)],
+        config=Config(warmup=0, iters=1, progress=False, save_as=".ov"),
+        passes=[FixedShape(), OpenVino()],
+    )
+    records = {record.name: record for record in report.optimizations}
+    assert spec.backend == "openvino", records["openvino"].reason
+    with torch.no_grad():
+        expected = optimized(photos)
+    path = bladesmith.save(optimized, tmp_path / "detector.ov")
+    assert reload_in_new_process(path, (photos,), expected, tmp_path).startswith("cpu ")
+
+
 class BatchedNms(nn.Module):
     def forward(self, boxes, scores, labels):
         return torch.ops.bladesmith.batched_nms(boxes, scores, labels, 0.5, 40)
