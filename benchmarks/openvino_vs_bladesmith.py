@@ -14,7 +14,7 @@ detector artifact's outputs are compared with the model's by the detection rule
 and after it (the machine may be shared).
 
     python3 benchmarks/openvino_vs_bladesmith.py [--models resnet50,mobilenet_v3_large,
-        convnext_tiny,resnet50@32,retinanet] [--rounds 10] [--iters 5]
+        convnext_tiny,resnet50@32,retinanet] [--rounds 10] [--iters 5] [--search-iters N]
 
 Torchvision models with random weights (``weights=None``) at 224x224, batch 1, or the
 batch after ``@`` (a throughput row: images per second too); RetinaNet is the demo's
@@ -101,12 +101,16 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument(
+        "--search-iters", type=int, help="Config.iters of optimize's search (its default: 10)"
+    )
     options = parser.parse_args()
     if options.rounds < 1 or options.iters < 1:
         parser.error("--rounds and --iters must be at least 1")
     print(f"torch threads {torch.get_num_threads()}; {options.rounds} rounds x {options.iters}")
+    search = {"iters": options.search_iters, "warmup": 1} if options.search_iters else {}
     for name in options.models.split(","):
-        print(compared(name, options.rounds, options.iters), flush=True)
+        print(compared(name, options.rounds, options.iters, search), flush=True)
 
 
 def saved_and_loaded(model, args, config: bladesmith.Config):
@@ -122,13 +126,14 @@ def saved_and_loaded(model, args, config: bladesmith.Config):
         return bladesmith.load(path, trust=True), spec, report, took  # saved just now
 
 
-def compared(name: str, rounds: int, iters: int) -> str:
+def compared(name: str, rounds: int, iters: int, search: dict) -> str:
     """The lines of one model: what optimize kept, then each run's latency and speedup."""
     from bladesmith.verify import compare_detections
 
     load_before = os.getloadavg()[0]
     model, args = build(name)
-    loaded, spec, report, took = saved_and_loaded(model, args, bladesmith.Config(progress=False))
+    config = bladesmith.Config(progress=False, **search)
+    loaded, spec, report, took = saved_and_loaded(model, args, config)
     lines = [
         f"{name}: kept {','.join(spec.passes) or 'nothing'} ({took:.0f} s), saved "
         f"{spec.save_formats[0]}"
@@ -138,7 +143,7 @@ def compared(name: str, rounds: int, iters: int) -> str:
     if by_hand is not None:
         runs["openvino"] = by_hand
     else:  # today's result: the same search without the OpenVINO passes
-        config = bladesmith.Config(progress=False, exclude=WITHOUT_OPENVINO)
+        config = bladesmith.Config(progress=False, exclude=WITHOUT_OPENVINO, **search)
         without, other, _, took = saved_and_loaded(model, args, config)
         lines.append(
             f"  without openvino: kept {','.join(other.passes) or 'nothing'} ({took:.0f} s), "
