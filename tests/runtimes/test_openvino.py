@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 import torch
@@ -106,6 +107,38 @@ def test_a_user_operator_is_refused_by_name(user_library):
     assert USER_OPERATOR in spec.refused_formats[".ov"]
 
 
+def _scale_clip_in_standard_onnx(g, x, scale, limit):
+    def constant(value):
+        return g.op("Constant", value_t=torch.tensor(value, dtype=torch.float32))
+
+    return g.op("Clip", g.op("Mul", x, constant(scale)), constant(-limit), constant(limit))
+
+
+def test_a_user_operator_with_a_standard_onnx_lowering_converts_through_onnx(
+    user_library, monkeypatch
+):
+    from bladesmith.onnx import user_ops
+
+    monkeypatch.setattr(user_ops, "_TRANSLATIONS", {})
+    user_ops.register_op(USER_OPERATOR, symbolic=_scale_clip_in_standard_onnx)
+    torch.manual_seed(0)
+    model, x = UsesTheOperator().eval(), torch.randn(1, 3, 16, 16)
+    optimized, spec, report = bladesmith.optimize(
+        model,
+        device="cpu",
+        test_data=[(x,)],
+        config=Config(warmup=0, iters=1, progress=False, save_as=".ov"),
+        passes=[OpenVino()],
+    )
+    (record,) = report.optimizations
+    assert spec.backend == "openvino" and ".ov" not in spec.refused_formats, record.reason
+    assert any(f"{USER_OPERATOR} lowered" in line for line in report.diagnosis["notes"])
+    with torch.no_grad():
+        got, expected = optimized(x), model(x)
+    assert expected.abs().max() == 1.5  # the clip is exercised
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 _WITHOUT_OPENVINO = """
 import sys
 sys.modules["openvino"] = None  # as if it were not installed: its import fails
@@ -141,6 +174,28 @@ def test_export_triton_serves_it_through_the_python_backend(mobilenet, tmp_path)
     assert (model_dir / "1" / "m.ov").is_file() and (model_dir / "1" / "model.py").is_file()
 
 
+@pytest.mark.slow
+def test_serve_answers_a_request_with_the_artifacts_outputs(mobilenet, tmp_path):
+    """`bladesmith serve` of a .ov: tritonserver started, asked, its answer the loaded
+    artifact's, stopped (the context manager's exit)."""
+    pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton (bladesmith[serve])")
+    from serve.serve_testing import free_ports  # tests/serve, a namespace package
+
+    _, x, optimized, _, _ = mobilenet
+    path = bladesmith.save(optimized, tmp_path / "m.ov")
+    http, grpc, metrics = free_ports(3)
+    with bladesmith.serve(
+        path, http_port=http, grpc_port=grpc, metrics_port=metrics, block=False
+    ) as server:
+        with bladesmith.client(server.url, "m") as client:
+            (answer,) = client(x.numpy())
+    with pytest.raises(OSError):  # stopped: nothing answers on its port
+        urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/live", timeout=5)
+    with torch.no_grad():
+        expected = optimized(x)[0]
+    torch.testing.assert_close(answer["output_0"], expected, rtol=1e-4, atol=1e-5)
+
+
 def test_doctor_lists_openvino_and_its_devices():
     from bladesmith.environment import _shown_packages, installed_packages
 
@@ -148,7 +203,10 @@ def test_doctor_lists_openvino_and_its_devices():
     assert shown.version is not None and shown.detail.startswith("devices: CPU (")
 
 
-def test_a_detector_pipeline_calling_bladesmith_operators_is_refused_by_name():
+def test_a_detector_pipeline_runs_in_openvino_with_its_nms_as_the_cpu_kernel_gives_it():
+    """The fixed-shape pipeline calls bladesmith's decode + NMS, which OpenVINO's PyTorch
+    converter has no rule for: it converts through ONNX, NMS as NonMaxSuppression, and
+    gives the CPU kernel's detections, slot for slot."""
     from bladesmith.passes import Candidate
     from bladesmith.passes.fixed_shape import FixedShape
     from engine_testing import context_for, tiny_detector
@@ -156,5 +214,66 @@ def test_a_detector_pipeline_calling_bladesmith_operators_is_refused_by_name():
     model, photos = tiny_detector()
     context = context_for((photos,))
     pipeline = FixedShape().apply(Candidate(module=model, device=torch.device("cpu")), context)
-    reason = OpenVino().skip_reason(pipeline, context)
-    assert reason.startswith("OpenVINO's PyTorch converter has no rule for bladesmith::")
+    assert OpenVino().skip_reason(pipeline, context) is None
+    converted = OpenVino().apply(pipeline, context)
+    assert any("bladesmith::retinanet_postprocess lowered" in n for n in context.notes)
+    args = pipeline.runner_args(context.example_args)
+    with torch.no_grad():
+        boxes, scores, labels, count = pipeline.module(*args)
+        got_boxes, got_scores, got_labels, got_count = converted.module(*args)
+    assert int(count) > 100 and torch.equal(got_count, count)  # the NMS kept as many
+    assert torch.equal(got_labels, labels)
+    torch.testing.assert_close(got_scores, scores, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_boxes, boxes, rtol=1e-4, atol=1e-2)
+
+
+@pytest.mark.slow
+def test_a_detector_saved_as_ov_reloads_in_a_new_process_with_its_detections(tmp_path):
+    from bladesmith.passes.fixed_shape import FixedShape
+    from engine_testing import tiny_detector
+
+    model, photos = tiny_detector()
+    optimized, spec, report = bladesmith.optimize(
+        model,
+        device="cpu",
+        test_data=[(photos,)],
+        config=Config(warmup=0, iters=1, progress=False, save_as=".ov"),
+        passes=[FixedShape(), OpenVino()],
+    )
+    records = {record.name: record for record in report.optimizations}
+    assert spec.backend == "openvino", records["openvino"].reason
+    with torch.no_grad():
+        expected = optimized(photos)
+    path = bladesmith.save(optimized, tmp_path / "detector.ov")
+    assert reload_in_new_process(path, (photos,), expected, tmp_path).startswith("cpu ")
+
+
+class BatchedNms(nn.Module):
+    def forward(self, boxes, scores, labels):
+        return torch.ops.bladesmith.batched_nms(boxes, scores, labels, 0.5, 40)
+
+
+def test_bladesmith_batched_nms_in_openvino_keeps_what_the_cpu_kernel_keeps():
+    """A lone batched_nms (labels as data) converts through ONNX (NonMaxSuppression on
+    boxes offset by class) and keeps the CPU kernel's detections in its order, padding
+    and ignored entries (negative labels) included, on many overlapping boxes."""
+    from bladesmith import ops
+    from bladesmith.passes import Candidate
+    from engine_testing import context_for
+
+    ops.load_library()
+    generator = torch.Generator().manual_seed(0)
+    corners = torch.rand(2, 200, 2, generator=generator) * 100
+    sides = torch.rand(2, 200, 2, generator=generator) * 30 + 5
+    boxes = torch.cat([corners, corners + sides], dim=2)
+    scores = torch.rand(2, 200, generator=generator)
+    labels = torch.randint(-1, 4, (2, 200), generator=generator)
+    args = (boxes, scores, labels)
+    context = context_for(args)
+    candidate = Candidate(module=BatchedNms(), device=torch.device("cpu"))
+    assert OpenVino().skip_reason(candidate, context) is None
+    converted = OpenVino().apply(candidate, context)
+    expected, got = BatchedNms()(*args), converted.module(*args)
+    assert 0 < int(expected[3].min()) and int(expected[3].max()) <= 40
+    for want, have in zip(expected, got, strict=True):
+        torch.testing.assert_close(have, want, rtol=0, atol=0)

@@ -644,6 +644,10 @@ _SYMBOLICS = {
 }
 
 
+# The bladesmith operators "standard" mode lowers to standard ONNX, by name.
+LOWERED_TO_STANDARD = frozenset(_SYMBOLICS["standard"])
+
+
 def check_mode(custom_ops: str, opset: int) -> None:
     if custom_ops not in MODES:
         raise BladesmithError(

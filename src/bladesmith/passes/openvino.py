@@ -7,8 +7,13 @@ default), ``openvino_threads`` and ``openvino_streams``. OpenVINO picks its infe
 precision itself: bf16 on a CPU with bf16 instructions. The ``openvino`` pass runs in
 that precision and says so (its result's dtype is what OpenVINO reports it compiled
 in, and the engine's tolerance follows); ``openvino_f32`` asks for f32, for where the
-default moved the outputs past tolerance. Neither takes an operator the converter has
-no rule for (the user's, bladesmith's): the pass is skipped naming it.
+default moved the outputs past tolerance. A module calling bladesmith's operators (a
+detector's fixed-shape pipeline: decode, NMS, RoI pooling) is converted from
+bladesmith's ONNX export with them lowered to standard operators, NMS to ONNX's
+NonMaxSuppression, which OpenVINO runs as its own; so is one calling the user's
+operators registered with a lowering (``bladesmith.onnx.register_op`` with
+``onnxscript=`` or ``symbolic=``). Any other operator the converter has no rule for
+skips the pass, naming it.
 """
 
 from __future__ import annotations
@@ -78,12 +83,12 @@ class OpenVino(Pass):
                 f"the test data passes non-tensor arguments ({', '.join(baked)}), which the "
                 "conversion would hold as constants"
             )
-        called = libraries.all_operators_called(candidate.module, args)
-        foreign = sorted(op for op in called if op.partition("::")[0] not in _CONVERTED)
+        foreign = [op for op in _not_converted(candidate.module, args) if not openvino.lowered(op)]
         if foreign:
             return (
-                f"OpenVINO's PyTorch converter has no rule for {', '.join(foreign)} (no "
-                "OpenVINO extension maps it)"
+                f"OpenVINO's PyTorch converter has no rule for {', '.join(foreign)}, and "
+                "it has no lowering to standard ONNX (bladesmith.onnx.register_op with "
+                "onnxscript= or symbolic= gives one)"
             )
         return None
 
@@ -93,8 +98,15 @@ class OpenVino(Pass):
             config.openvino_hint, config.openvino_threads, config.openvino_streams, self.precision
         )
         args = candidate.runner_args(context.example_args)
-        with context.step("converting to OpenVINO IR"):
-            runner = openvino.runner_for(candidate.module, args, chosen)
+        lowered = _not_converted(candidate.module, args)  # all lowered: skip_reason
+        route = "through ONNX, " + ", ".join(lowered) + " lowered" if lowered else "from torch"
+        with context.step(f"converting to OpenVINO IR ({route})"):
+            runner = openvino.runner_for(candidate.module, args, chosen, via_onnx=bool(lowered))
+        if lowered:
+            context.notes.append(
+                f"{self.name} converted the model {route} to standard ONNX operators "
+                "(OpenVINO's PyTorch converter has no rule for them)"
+            )
         with context.step("compiling for the CPU"):
             runner(*args)
         used = runner.used()
@@ -121,6 +133,12 @@ class OpenVinoF32(OpenVino):
         if default == "f32":
             return "OpenVINO computes in f32 here by default: the openvino pass tried it"
         return super().skip_reason(candidate, context)
+
+
+def _not_converted(module, args: tuple) -> list[str]:
+    """The operators ``module`` calls that OpenVINO's PyTorch converter has no rule for."""
+    called = libraries.all_operators_called(module, args)
+    return sorted(op for op in called if op.partition("::")[0] not in _CONVERTED)
 
 
 def _installed_default() -> str | None:

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from bladesmith.onnx import user_ops
+from bladesmith.onnx.symbolic import LOWERED_TO_STANDARD
 from bladesmith.runtimes.built_for import follows_the_batch, tensors_in
 from bladesmith.runtimes.format import Format
 
@@ -37,6 +39,8 @@ _GRAPH, _WEIGHTS = "model.xml", "model.bin"
 DEVICE = "CPU"
 # OpenVINO's inference precision -> the torch dtype its arithmetic runs in.
 PRECISIONS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+# bladesmith's operators with a lowering to standard ONNX.
+_BLADESMITH_LOWERED = frozenset(f"bladesmith::{name}" for name in LOWERED_TO_STANDARD)
 
 
 def core():
@@ -106,9 +110,13 @@ def precision_name(element_type) -> str:
     return element_type.get_type_name()
 
 
-def convert(module, args: tuple) -> tuple:
-    """``module`` converted on ``args`` (torch's trace, by OpenVINO's PyTorch frontend):
-    the OpenVINO model, and the output structure and dtypes to give back."""
+def convert(module, args: tuple, via_onnx: bool = False) -> tuple:
+    """``module`` converted on ``args``: the OpenVINO model, and the output structure and
+    dtypes to give back. By OpenVINO's PyTorch frontend (torch's trace); ``via_onnx``,
+    for a module calling bladesmith's operators, which that frontend has no rule for, by
+    its ONNX frontend from bladesmith's export with the operators lowered to standard
+    ONNX (NMS as NonMaxSuppression, one score plane per class: torchvision's per-class
+    NMS, which OpenVINO's NonMaxSuppression computes too)."""
     import openvino
 
     with torch.no_grad():
@@ -116,13 +124,32 @@ def convert(module, args: tuple) -> tuple:
     if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
         kinds = sorted({type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)})
         raise ValueError(f"the model returns {', '.join(kinds)} besides tensors")
-    model = openvino.convert_model(module, example_input=tensors_in(args))
+    if via_onnx:
+        from bladesmith.onnx import exporter
+
+        with tempfile.TemporaryDirectory(prefix="bladesmith-openvino-") as directory:
+            path = exporter.export(
+                module, args, Path(directory) / "model.onnx", custom_ops="standard"
+            )
+            model = openvino.convert_model(str(path))
+    else:
+        model = openvino.convert_model(module, example_input=tensors_in(args))
     dtypes = [str(leaf.dtype).removeprefix("torch.") for leaf in leaves]
     return model, output_spec, dtypes
 
 
-def runner_for(module, args: tuple, chosen: dict) -> OpenVinoRunner:
-    model, output_spec, dtypes = convert(module, args)
+def lowered(operator: str) -> bool:
+    """Whether bladesmith's ONNX export lowers ``operator``, which OpenVINO's PyTorch
+    converter has no rule for, to standard ONNX (then ``convert(via_onnx=True)`` takes
+    it): one of bladesmith's, or the user's registered with onnxscript= or symbolic=."""
+    if operator in _BLADESMITH_LOWERED:
+        return True
+    translation = user_ops.translation(operator)
+    return translation is not None and not translation.custom_node
+
+
+def runner_for(module, args: tuple, chosen: dict, via_onnx: bool = False) -> OpenVinoRunner:
+    model, output_spec, dtypes = convert(module, args, via_onnx)
     return OpenVinoRunner(model, chosen, output_spec, dtypes)
 
 
@@ -194,10 +221,12 @@ class OpenVino(Format):
         return self.missing_package() or super().refuses(module, device)
 
     def refuses_operators(self, operators) -> str | None:
-        if operators:
+        refused = sorted(op for op in operators if not lowered(op))
+        if refused:
             return (
-                f"OpenVINO's PyTorch converter cannot take {', '.join(sorted(operators))} "
-                "(the user's operators: no OpenVINO extension maps them)"
+                f"OpenVINO's converters cannot take {', '.join(refused)} (the user's "
+                "operators, with no lowering to standard ONNX: bladesmith.onnx.register_op "
+                "with onnxscript= or symbolic= gives one)"
             )
         return None
 

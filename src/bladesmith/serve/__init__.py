@@ -59,7 +59,7 @@ def serve(
     shared_memory: bool = False,
     trust: bool = False,
 ) -> Server | None:
-    """Serve ``artifact`` (``.pt2``, ``.pt`` or ``.onnx`` from ``bladesmith.save``) as
+    """Serve ``artifact`` (``.pt2``, ``.pt``, ``.onnx`` or ``.ov`` from ``bladesmith.save``) as
     model ``name`` (default: the file's stem) on HTTP, gRPC and Prometheus-metrics ports
     of ``host`` (default 127.0.0.1, this machine only; ``"0.0.0.0"``: every interface).
 
