@@ -1,7 +1,8 @@
 """Helpers shared by the engine's and the passes' tests: a small detector, a pass that
 makes any candidate fast, so that what the engine keeps does not depend on the machine's
-load, batch norms worth folding, the detector through chosen passes, the mark of
-GPU-only tests, and a user's operator library (its source; tests/conftest.py builds it)."""
+load, batch norms worth folding, the detector through chosen passes, every torchvision
+detector family small, the mark of GPU-only tests, and a user's operator library (its
+source; tests/conftest.py builds it)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,57 @@ from bladesmith.config import Config
 from bladesmith.passes import Candidate, Context, Pass
 
 IMAGE_SIZE = (128, 160)
+
+# Fewer proposals and detections than torchvision's defaults: an R-CNN's heads then run
+# on fewer boxes (a ResNet-50 Mask or Keypoint R-CNN takes seconds a call on a loaded CPU).
+FEWER_BOXES = dict(
+    rpn_pre_nms_top_n_test=200, rpn_post_nms_top_n_test=50, box_detections_per_img=20
+)
+
+
+def _keypoint_rcnn():
+    from torchvision.models.detection import keypointrcnn_resnet50_fpn
+
+    # No family builds it: random weights and every box kept, so that it detects.
+    torch.manual_seed(0)
+    return keypointrcnn_resnet50_fpn(
+        weights=None,
+        weights_backbone=None,
+        num_classes=2,
+        num_keypoints=5,
+        min_size=min(IMAGE_SIZE),
+        max_size=max(IMAGE_SIZE),
+        box_score_thresh=0.0,
+        **FEWER_BOXES,
+    ).eval()
+
+
+def _family_builders() -> dict:
+    from bladesmith.families.fcos import build_fcos
+    from bladesmith.families.rcnn import build_rcnn
+    from bladesmith.families.retinanet import build_retinanet
+    from bladesmith.families.ssd import build_ssd
+
+    size = IMAGE_SIZE
+    return {
+        "retinanet": lambda: build_retinanet(size, num_classes=3, backbone="resnet18"),
+        "fcos": lambda: build_fcos(size, num_classes=3, backbone="resnet18"),
+        "ssd": lambda: build_ssd("ssd300_vgg16", num_classes=3),
+        "ssdlite": lambda: build_ssd("ssdlite320_mobilenet_v3_large", num_classes=3),
+        "faster_rcnn": lambda: build_rcnn(
+            "fasterrcnn_mobilenet_v3_large_320_fpn", size, num_classes=3
+        ),
+        "mask_rcnn": lambda: build_rcnn(
+            "maskrcnn_resnet50_fpn", size, num_classes=3, **FEWER_BOXES
+        ),
+        "keypoint_rcnn": _keypoint_rcnn,
+    }
+
+
+# Every torchvision detector family, each at its smallest backbone at IMAGE_SIZE (SSD and
+# SSDlite resize to their own); random weights calibrated to a trained model's load, so
+# that each detects.
+DETECTORS = _family_builders()
 
 # A user's operator library, as `TORCH_LIBRARY` + `torch.utils.cpp_extension` make one
 # (no fake kernel).

@@ -16,11 +16,9 @@ import torch
 import bladesmith
 from bladesmith.config import Config
 from bladesmith.families.fcos import build_fcos
-from bladesmith.families.rcnn import build_rcnn
-from bladesmith.families.retinanet import build_retinanet
-from bladesmith.families.ssd import build_ssd
 from bladesmith.images import sample_images
 from bladesmith.verify import compare_detections
+from engine_testing import DETECTORS
 
 SIZE = (128, 160)
 # Faster R-CNN's fixed-shape pipeline runs slower than the model itself on the CPU (it
@@ -70,32 +68,6 @@ def test_optimize_save_and_load_in_a_new_process(family, tmp_path):
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
-def _keypoint_rcnn():
-    from torchvision.models.detection import keypointrcnn_resnet50_fpn
-
-    torch.manual_seed(0)
-    return keypointrcnn_resnet50_fpn(
-        weights=None,
-        weights_backbone=None,
-        num_classes=2,
-        num_keypoints=5,
-        min_size=SIZE[0],
-        max_size=SIZE[1],
-        box_score_thresh=0.3,  # random weights score every box near 0.5
-    ).eval()
-
-
-# Every torchvision detector family bladesmith supports, small: random weights, the
-# lightest backbone each has, few classes (SSD and SSDlite resize to their own size).
-EVERY_FAMILY = {
-    "retinanet": lambda: build_retinanet(SIZE, num_classes=5, backbone="resnet18"),
-    "fcos": lambda: build_fcos(SIZE, backbone="resnet18", num_classes=5),
-    "ssd300": lambda: build_ssd("ssd300_vgg16", num_classes=5),
-    "ssdlite": lambda: build_ssd("ssdlite320_mobilenet_v3_large", num_classes=5),
-    "faster_rcnn": lambda: build_rcnn("fasterrcnn_mobilenet_v3_large_320_fpn", SIZE, num_classes=5),
-    "mask_rcnn": lambda: build_rcnn("maskrcnn_resnet50_fpn", SIZE, num_classes=5),
-    "keypoint_rcnn": _keypoint_rcnn,
-}
 # The runtimes' and compilers' passes take tens of seconds each to build here; what
 # saves is what this test is about, and the passes it leaves out build their own files.
 LONG_BUILDS = ["torchscript", "onnxruntime", "openvino", "openvino_f32", "inductor"]
@@ -104,13 +76,13 @@ LONG_BUILDS = ["torchscript", "onnxruntime", "openvino", "openvino_f32", "induct
 # o0 for every family: its result is most often the model's own module (no fixed_shape),
 # the case that saved in no format; o1 for two, which adds the pipeline's passes. Every
 # pair takes one to three minutes here, so the whole matrix would double CI's slow run.
-LEVELS = [*((family, "o0") for family in EVERY_FAMILY), ("ssdlite", "o1"), ("retinanet", "o1")]
+LEVELS = [*((family, "o0") for family in DETECTORS), ("ssdlite", "o1"), ("retinanet", "o1")]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "level"), LEVELS)
 def test_every_family_saves_a_format_that_reloads_as_the_model(family, level, tmp_path):
-    model = EVERY_FAMILY[family]()
+    model = DETECTORS[family]()
     photos = list(sample_images(2, SIZE))
     optimized, spec, report = bladesmith.optimize(
         model,

@@ -21,11 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bladesmith.families.fcos import build_fcos
-from bladesmith.families.rcnn import build_rcnn
-from bladesmith.families.retinanet import build_retinanet
-from bladesmith.families.ssd import build_ssd
 from bladesmith.images import sample_images
+from engine_testing import DETECTORS, IMAGE_SIZE
 
 TESTS = Path(__file__).resolve().parents[1]
 SRC = TESTS.parent / "src"
@@ -121,44 +118,7 @@ def test_a_scripted_list_of_dicts_model_is_optimized_before_its_first_call(devic
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
-SIZE = (128, 160)
-
-
-# Fewer proposals and detections than torchvision's defaults: an R-CNN's heads then run
-# on fewer boxes (a ResNet-50 Mask or Keypoint R-CNN takes seconds a call on a loaded CPU).
-FEWER_BOXES = dict(
-    rpn_pre_nms_top_n_test=200, rpn_post_nms_top_n_test=50, box_detections_per_img=20
-)
-
-
-def _keypoint_rcnn():
-    from torchvision.models.detection import keypointrcnn_resnet50_fpn
-
-    # No family builds it: random weights and every box kept, so that it detects.
-    torch.manual_seed(0)
-    return keypointrcnn_resnet50_fpn(
-        weights=None,
-        weights_backbone=None,
-        num_classes=2,
-        num_keypoints=5,
-        min_size=min(SIZE),
-        max_size=max(SIZE),
-        box_score_thresh=0.0,
-        **FEWER_BOXES,
-    ).eval()
-
-
-# Every torchvision detector family, each at its smallest backbone and image size;
-# random weights calibrated to a trained model's load, so that each detects.
-DETECTORS = {
-    "retinanet": lambda: build_retinanet(SIZE, num_classes=3, backbone="resnet18"),
-    "fcos": lambda: build_fcos(SIZE, num_classes=3, backbone="resnet18"),
-    "ssd": lambda: build_ssd("ssd300_vgg16", num_classes=3),
-    "ssdlite": lambda: build_ssd("ssdlite320_mobilenet_v3_large", num_classes=3),
-    "faster_rcnn": lambda: build_rcnn("fasterrcnn_mobilenet_v3_large_320_fpn", SIZE, num_classes=3),
-    "mask_rcnn": lambda: build_rcnn("maskrcnn_resnet50_fpn", SIZE, num_classes=3, **FEWER_BOXES),
-    "keypoint_rcnn": _keypoint_rcnn,
-}
+SIZE = IMAGE_SIZE
 
 
 @pytest.mark.slow

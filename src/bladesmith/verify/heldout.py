@@ -51,15 +51,11 @@ class HeldOut:
 def held_out_inputs(test_args: Sequence[tuple], count: int = len(VARIANTS)) -> HeldOut:
     """``count`` held-out variants of each test entry of a signature (structure, shapes,
     dtypes) that no earlier entry had; seeded, so every call gives the same."""
-    args, sources, seen = [], [], set()
-    for index, entry in enumerate(test_args):
-        key = _signature(entry)
-        if key in seen:
-            continue
-        seen.add(key)
-        for variant in range(count):
-            args.append(_variant(entry, variant, seed=1000 * index + variant))
-            sources.append(index)
+    args, sources = _derived(
+        test_args,
+        count,
+        lambda entry, index, variant: _variant(entry, variant, seed=1000 * index + variant),
+    )
     how = "; ".join(VARIANTS[:count])
     return HeldOut(args, sources, f"{len(args)} derived from the test data ({how})")
 
@@ -72,6 +68,22 @@ def calibration_inputs(test_args: Sequence[tuple], count: int = CALIBRATION_VARI
     """``count`` calibration inputs per test entry of a new signature: as the held-out
     inputs' first variant (other photographs, moved floats, other token ids) but showing
     views after those the held-out inputs show, with other seeds."""
+    args, sources = _derived(
+        test_args,
+        count,
+        lambda entry, index, variant: _variant(
+            entry, 0, seed=1_000_000 + 1000 * index + variant, skip=1 + variant
+        ),
+    )
+    how = "other views of the photographs than the held-out inputs', floats moved by a "
+    how += "tenth of their spread, other token ids"
+    return HeldOut(args, sources, f"{len(args)} derived from the test data ({how})")
+
+
+def _derived(test_args: Sequence[tuple], count: int, derive) -> tuple[list, list[int]]:
+    """``count`` inputs ``derive(entry, index, variant)`` gives for each test entry of a
+    signature (structure, shapes, dtypes) that no earlier entry had, and the index of the
+    entry each came from."""
     args, sources, seen = [], [], set()
     for index, entry in enumerate(test_args):
         key = _signature(entry)
@@ -79,12 +91,9 @@ def calibration_inputs(test_args: Sequence[tuple], count: int = CALIBRATION_VARI
             continue
         seen.add(key)
         for variant in range(count):
-            seed = 1_000_000 + 1000 * index + variant
-            args.append(_variant(entry, 0, seed=seed, skip=1 + variant))
+            args.append(derive(entry, index, variant))
             sources.append(index)
-    how = "other views of the photographs than the held-out inputs', floats moved by a "
-    how += "tenth of their spread, other token ids"
-    return HeldOut(args, sources, f"{len(args)} derived from the test data ({how})")
+    return args, sources
 
 
 def _signature(entry) -> tuple:
