@@ -1,8 +1,8 @@
 """Helpers shared by the engine's and the passes' tests: a small detector, a pass that
 makes any candidate fast, so that what the engine keeps does not depend on the machine's
-load, batch norms worth folding, the detector through chosen passes, every torchvision
-detector family small, the mark of GPU-only tests, and a user's operator library (its
-source; tests/conftest.py builds it)."""
+load, a model a compiling pass beats whatever the load, batch norms worth folding, the
+detector through chosen passes, every torchvision detector family small, the mark of
+GPU-only tests, and a user's operator library (its source; tests/conftest.py builds it)."""
 
 from __future__ import annotations
 
@@ -209,6 +209,24 @@ def _same_values(args, example) -> bool:
         x is y or (isinstance(x, torch.Tensor) and x.shape == y.shape and torch.equal(x, y))
         for x, y in zip(leaves, other)
     )
+
+
+class Wasteful(nn.Module):
+    """``inner``, after a large matrix product whose result it throws away: eager computes
+    it, a compiler or converter (Inductor; the ONNX export OpenVINO converts) drops it as
+    dead code, so the pass that compiles the model wins by many times whatever the load
+    of a shared machine. For tests of what such a pass keeps and saves, not of its speed
+    (on a small net its real win can be within the noise, and the result run eager)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        square = torch.rand(768, 768, generator=torch.Generator().manual_seed(0))
+        self.register_buffer("square", square)
+
+    def forward(self, *args):
+        self.square @ self.square
+        return self.inner(*args)
 
 
 def conv_net() -> nn.Module:

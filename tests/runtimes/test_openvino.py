@@ -18,7 +18,7 @@ from torch import nn
 import bladesmith
 from bladesmith.config import Config
 from bladesmith.passes.openvino import OpenVino, OpenVinoF32
-from engine_testing import USER_OPERATOR
+from engine_testing import USER_OPERATOR, Wasteful
 from test_reload import reload_in_new_process
 
 pytest.importorskip("openvino")
@@ -122,7 +122,7 @@ def test_a_user_operator_with_a_standard_onnx_lowering_converts_through_onnx(
     monkeypatch.setattr(user_ops, "_TRANSLATIONS", {})
     user_ops.register_op(USER_OPERATOR, symbolic=_scale_clip_in_standard_onnx)
     torch.manual_seed(0)
-    model, x = UsesTheOperator().eval(), torch.randn(1, 3, 16, 16)
+    model, x = Wasteful(UsesTheOperator()).eval(), torch.randn(1, 3, 16, 16)
     optimized, spec, report = bladesmith.optimize(
         model,
         device="cpu",

@@ -386,7 +386,13 @@ def _check_save_as(model, context: Context) -> None:
         raise SettingError(f"Config.save_as: expected one of {', '.join(FORMATS)}, got {save_as!r}")
     unreachable = unreachable_formats(model, context)
     if save_as in unreachable:
-        others = [each for each in FORMATS if each not in unreachable]
+        # A format that holds only its own pass's result (.ptc, .ov) is no way round:
+        # it is there only where that pass is kept.
+        others = [
+            suffix
+            for suffix, each in FORMATS.items()
+            if suffix not in unreachable and not each.only_its_pass
+        ]
         instead = f"; save as {' or '.join(others)}" if others else ""
         raise BladesmithError(
             f"the result is to be saved as {save_as} (Config(save_as=...), --out), which it "
