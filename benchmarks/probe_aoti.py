@@ -40,6 +40,19 @@ torch.cuda.synchronize() if DEVICE == "cuda" else None
 print("ran ok", flush=True)
 """
 
+# Each script's last lines: the compiled call's latency, after a warm-up.
+_TIMED = """
+with torch.no_grad():
+    for _ in range(20):
+        compiled(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(200):
+        compiled(x)
+    torch.cuda.synchronize()
+print(f"LABEL: {{(time.perf_counter() - start) / 200 * 1e3:.3f}} ms", flush=True)
+"""
+
 _COMPILE_AND_SAVE = """
 import time, torch, torchvision
 torch.manual_seed(0)
@@ -56,16 +69,7 @@ assert artifacts is not None, "no cache artifacts"
 data, info = artifacts
 open(PATH, "wb").write(data)
 print(f"artifacts {{len(data)}} bytes", flush=True)
-with torch.no_grad():
-    for _ in range(20):
-        compiled(x)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(200):
-        compiled(x)
-    torch.cuda.synchronize()
-print(f"in process: {{(time.perf_counter() - start) / 200 * 1e3:.3f}} ms", flush=True)
-"""
+""" + _TIMED.replace("LABEL", "in process")
 
 _LOAD_CACHE = """
 import time, torch, torchvision
@@ -81,16 +85,7 @@ with torch.no_grad():
 torch.cuda.synchronize()
 elapsed = time.perf_counter() - start
 print(f"new process (artifacts loaded: {load}): first call after {{elapsed:.1f}} s", flush=True)
-with torch.no_grad():
-    for _ in range(20):
-        compiled(x)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(200):
-        compiled(x)
-    torch.cuda.synchronize()
-print(f"new process: {{(time.perf_counter() - start) / 200 * 1e3:.3f}} ms", flush=True)
-"""
+""" + _TIMED.replace("LABEL", "new process")
 
 
 def _child(title: str, code: str, path: Path, device: str, env=None, lines=40) -> int:
