@@ -308,9 +308,15 @@ def _saved_and_reloaded(
     fixed-shape pipeline (``Pass.saving_form``)."""
     optimized, spec = _tried_formats(best, passes, trial, output_types, held)
     deployable = _saving_form(best, trial.context)
-    if deployable is None or set(spec.save_formats) == set(FORMATS):
+    # A format that holds only its own pass's result (.ptc, .ov) is refused to the
+    # pipeline as it was to the module: not worth trying again.
+    missing = [
+        suffix
+        for suffix, each in FORMATS.items()
+        if suffix not in spec.save_formats and not each.only_its_pass
+    ]
+    if deployable is None or not missing:
         return optimized, spec
-    missing = [each for each in FORMATS if each not in spec.save_formats]
     through, _ = _tried_formats(deployable, passes, trial, output_types, held, only=missing)
     added = [each for each in through.spec.save_formats if each not in spec.save_formats]
     # A format that save builds and checks then (a .pt2): from the pipeline, which
