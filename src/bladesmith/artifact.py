@@ -104,6 +104,17 @@ class OptimizedModule(nn.Module):
             batch_fixed=built_for is not None and not built_for.free_batch,
         )
 
+    def runtime_settings(self) -> dict:
+        """How it runs here, after a call: its runtime's own settings where it has them
+        (OpenVINO's hint, threads, streams and precision), else torch's intra-op threads
+        (which the TorchScript, ONNX Runtime and compiled formats use)."""
+        runners = getattr(self._run, "runs", {None: self._run}).values()  # Checked: several
+        for runner in runners:
+            used = getattr(runner, "used", None)
+            if callable(used) and used():
+                return used()
+        return {"threads": torch.get_num_threads()}
+
     def as_padded(self) -> OptimizedModule:
         """The same optimized module returning its family's padded tensors (a detector:
         ``forward(images [B, 3, H, W] or list) -> (boxes [B, D, 4], scores [B, D], labels

@@ -65,10 +65,12 @@ def test_optimize_a_model_file_then_bench_the_artifacts(tmp_path, model_file, ca
     assert [row["artifact"] for row in rows] == [str(out), str(out)]
     assert rows[1]["agreement"].startswith("match")
     assert rows[0]["timing"]["iterations"] == 2
+    assert rows[0]["runtime"] == {"threads": torch.get_num_threads()}
     # The second timed against the first in alternating rounds: a speedup with its interval.
     low, high = rows[1]["interval"]
     assert low <= high and rows[1]["speedup"].endswith(f"[{low:.2f}-{high:.2f}]")
-    assert "Artifacts" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Artifacts" in printed and f"ran with threads={torch.get_num_threads()}" in printed
 
 
 @pytest.mark.slow

@@ -82,6 +82,7 @@ def test_settings_are_recorded_applied_on_load_and_reported(mobilenet, tmp_path)
         "NUM_STREAMS": 1,
     }
     assert runner.used()["INFERENCE_NUM_THREADS"] == "1"
+    assert loaded.runtime_settings()["NUM_STREAMS"] == "1"  # what `bladesmith bench` prints
 
 
 class UsesTheOperator(nn.Module):

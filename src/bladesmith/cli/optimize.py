@@ -296,6 +296,9 @@ def run_bench(args: argparse.Namespace) -> int:
     console = output_console()
     console.print(table)
     console.print(f"Each against the first in alternating rounds: {STATISTIC}.")
+    for row in rows:
+        settings = ", ".join(f"{name}={value}" for name, value in row["runtime"].items())
+        console.print(f"{row['artifact']} ran with {settings}", soft_wrap=True)
     if args.json:
         text = json.dumps(rows, indent=2) + "\n"
         write_atomically(args.json, lambda path: path.write_text(text))
@@ -378,14 +381,16 @@ def _load_for_bench(path: str, trust: bool) -> tuple[dict, object, object]:
     def call():
         return artifact(*inputs)
 
+    outputs = call()
     row = {
         "artifact": path,
         "device": spec.device,
         "dtype": spec.dtype,
         "passes": list(spec.passes),
         "input_shape": list(shape),
+        "runtime": artifact.runtime_settings(),
     }
-    return row, call(), call
+    return row, outputs, call
 
 
 def _agreement(reference: tuple[dict, object], other: tuple[dict, object]) -> str:
