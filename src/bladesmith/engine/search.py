@@ -53,6 +53,7 @@ from bladesmith.engine.trial import (
     Trial,
     as_called,
     outputs_on,
+    skip_reason,
     tolerance_waived,
 )
 from bladesmith.errors import BladesmithError, SettingError
@@ -223,11 +224,14 @@ def _kept_in_turn(
     speedups measured along the way."""
     best, best_run = given, trial.finish(given)
     checkpoints: list[tuple[Candidate, float, int]] = [(best, 1.0, -1)]
+    chain = [given]  # every candidate kept, in turn: where a runtime may start instead
     for each in passes:
         before = best_run
         if each.name in best_run.finished_by:  # the best was timed in it: compare without
             before = Finished(best, ())
         record, candidate, run = trial(each, best, before)
+        if record.status == "skipped" and each.saves_as:
+            record, candidate, run = _on_an_earlier_result(each, chain, record, trial, before)
         records.append(record)
         trial.progress.log(record)
         if record.status == "kept":
@@ -237,10 +241,34 @@ def _kept_in_turn(
             faster = [c for c in checkpoints[1:] if c[1] > gain]
             checkpoints = [checkpoints[0], *faster, (candidate, gain, len(records) - 1)]
             best, best_run = candidate, run
-            trial.context.kept.append(each.name)
+            chain.append(candidate)
+            kept = trial.context.kept
+            kept[:] = [name for name in kept if name in candidate.applied] + [each.name]
         elif before is not best_run:  # it will not wrap the best: that runs without it
             best_run = before
     return checkpoints
+
+
+def _on_an_earlier_result(
+    each: Pass, chain: list[Candidate], skipped: PassRecord, trial: Trial, before: Finished
+) -> tuple[PassRecord, Candidate | None, Finished | None]:
+    """A runtime that cannot take the best so far (an operator or a dtype a pass kept
+    brought in: OpenVINO and bladesmith's Winograd kernel) tried on the latest kept
+    result it can take, timed against the best: the fastest runtime wins, whichever
+    passes it leaves out. The skip stands where no kept result takes it."""
+    best = chain[-1]
+    for earlier in reversed(chain[:-1]):
+        if skip_reason(each, earlier, trial.context) is None:
+            break
+    else:
+        return skipped, None, None
+    record, candidate, run = trial(each, earlier, before)
+    left_out = [name for name in best.applied if name not in earlier.applied]
+    record.reason = (
+        f"tried on the result without {', '.join(left_out)} (the best so far: "
+        f"{skipped.reason}): {record.reason}"
+    )
+    return record, candidate, run
 
 
 def _against_given(
