@@ -15,6 +15,11 @@ and after it (the machine may be shared).
 
     python3 benchmarks/openvino_vs_bladesmith.py [--models resnet50,mobilenet_v3_large,
         convnext_tiny,resnet50@32,retinanet] [--rounds 10] [--iters 5] [--search-iters N]
+        [--level o1] [--exclude PASS,...]
+
+``--level o2`` adds the quantizing passes (and Inductor, whose CPU build takes minutes:
+``--exclude inductor`` leaves it out); the RetinaNet line without OpenVINO stays at o1,
+today's result.
 
 Torchvision models with random weights (``weights=None``) at 224x224, batch 1, or the
 batch after ``@`` (a throughput row: images per second too); RetinaNet is the demo's
@@ -37,7 +42,7 @@ import bladesmith
 SEED = 0
 TORCHVISION = ("resnet50", "mobilenet_v3_large", "convnext_tiny")
 MODELS = (*TORCHVISION, "resnet50@32", "retinanet")
-WITHOUT_OPENVINO = ("openvino", "openvino_f32")
+WITHOUT_OPENVINO = ("openvino", "openvino_f32", "openvino_int8", "openvino_int8_mixed")
 
 
 def build(name: str):
@@ -104,21 +109,28 @@ def main() -> None:
     parser.add_argument(
         "--search-iters", type=int, help="Config.iters of optimize's search (its default: 10)"
     )
+    parser.add_argument("--level", default="o1", choices=("o0", "o1", "o2"))
+    parser.add_argument("--exclude", default="", help="passes optimize leaves out, by name")
     options = parser.parse_args()
     if options.rounds < 1 or options.iters < 1:
         parser.error("--rounds and --iters must be at least 1")
-    print(f"torch threads {torch.get_num_threads()}; {options.rounds} rounds x {options.iters}")
+    print(
+        f"torch threads {torch.get_num_threads()}; {options.rounds} rounds x {options.iters}; "
+        f"level {options.level}" + (f", without {options.exclude}" if options.exclude else "")
+    )
     search = {"iters": options.search_iters, "warmup": 1} if options.search_iters else {}
+    excluded = tuple(filter(None, options.exclude.split(",")))
     for name in options.models.split(","):
-        print(compared(name, options.rounds, options.iters, search), flush=True)
+        lines = compared(name, options.rounds, options.iters, search, options.level, excluded)
+        print(lines, flush=True)
 
 
-def saved_and_loaded(model, args, config: bladesmith.Config):
-    """What ``optimize`` at o1 saves for ``model``, loaded back: (loaded, spec, report,
-    seconds the optimization took)."""
+def saved_and_loaded(model, args, config: bladesmith.Config, level: str = "o1"):
+    """What ``optimize`` at ``level`` saves for ``model``, loaded back: (loaded, spec,
+    report, seconds the optimization took)."""
     started = time.perf_counter()
     optimized, spec, report = bladesmith.optimize(
-        model, "o1", device="cpu", test_data=[args], config=config
+        model, level, device="cpu", test_data=[args], config=config
     )
     took = time.perf_counter() - started
     with tempfile.TemporaryDirectory() as folder:
@@ -126,14 +138,14 @@ def saved_and_loaded(model, args, config: bladesmith.Config):
         return bladesmith.load(path, trust=True), spec, report, took  # saved just now
 
 
-def compared(name: str, rounds: int, iters: int, search: dict) -> str:
+def compared(name: str, rounds: int, iters: int, search: dict, level: str, excluded: tuple) -> str:
     """The lines of one model: what optimize kept, then each run's latency and speedup."""
     from bladesmith.verify import compare_detections
 
     load_before = os.getloadavg()[0]
     model, args = build(name)
-    config = bladesmith.Config(progress=False, **search)
-    loaded, spec, report, took = saved_and_loaded(model, args, config)
+    config = bladesmith.Config(progress=False, exclude=excluded, **search)
+    loaded, spec, report, took = saved_and_loaded(model, args, config, level)
     lines = [
         f"{name}: kept {','.join(spec.passes) or 'nothing'} ({took:.0f} s), saved "
         f"{spec.save_formats[0]}"
@@ -143,7 +155,7 @@ def compared(name: str, rounds: int, iters: int, search: dict) -> str:
     if by_hand is not None:
         runs["openvino"] = by_hand
     else:  # today's result: the same search without the OpenVINO passes
-        config = bladesmith.Config(progress=False, exclude=WITHOUT_OPENVINO, **search)
+        config = bladesmith.Config(progress=False, exclude=WITHOUT_OPENVINO + excluded, **search)
         without, other, _, took = saved_and_loaded(model, args, config)
         lines.append(
             f"  without openvino: kept {','.join(other.passes) or 'nothing'} ({took:.0f} s), "

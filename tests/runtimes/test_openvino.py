@@ -228,6 +228,29 @@ def test_a_detector_pipeline_runs_in_openvino_with_its_nms_as_the_cpu_kernel_giv
     torch.testing.assert_close(got_boxes, boxes, rtol=1e-4, atol=1e-2)
 
 
+def test_a_detector_pipeline_quantizes_to_int8_with_its_nms_converted_as_in_float():
+    """openvino_int8 converts the pipeline as the openvino pass does (through ONNX), so
+    its NMS runs as NonMaxSuppression and the pipeline's outputs keep their shapes."""
+    pytest.importorskip("nncf")
+    from bladesmith.passes import Candidate
+    from bladesmith.passes.fixed_shape import FixedShape
+    from bladesmith.passes.openvino_int8 import OpenVinoInt8
+    from engine_testing import context_for, tiny_detector
+
+    model, photos = tiny_detector()
+    context = context_for((photos,))
+    context.calibration = lambda: ([(photos,)], "the test photographs")
+    pipeline = FixedShape().apply(Candidate(module=model, device=torch.device("cpu")), context)
+    assert OpenVinoInt8().skip_reason(pipeline, context) is None
+    quantized = OpenVinoInt8().apply(pipeline, context)
+    assert quantized.backend == "openvino_int8" and quantized.computes_in.name == "int8"
+    args = pipeline.runner_args(context.example_args)
+    with torch.no_grad():
+        expected, got = pipeline.module(*args), quantized(*args)
+    assert [each.shape for each in got] == [each.shape for each in expected]
+    assert int(got[3].min()) > 0  # detections kept in every image
+
+
 @pytest.mark.slow
 def test_a_detector_saved_as_ov_reloads_in_a_new_process_with_its_detections(tmp_path):
     from bladesmith.passes.fixed_shape import FixedShape

@@ -83,7 +83,7 @@ class OpenVino(Pass):
                 f"the test data passes non-tensor arguments ({', '.join(baked)}), which the "
                 "conversion would hold as constants"
             )
-        foreign = [op for op in _not_converted(candidate.module, args) if not openvino.lowered(op)]
+        foreign = [op for op in not_converted(candidate.module, args) if not openvino.lowered(op)]
         if foreign:
             return (
                 f"OpenVINO's PyTorch converter has no rule for {', '.join(foreign)}, and "
@@ -98,7 +98,7 @@ class OpenVino(Pass):
             config.openvino_hint, config.openvino_threads, config.openvino_streams, self.precision
         )
         args = candidate.runner_args(context.example_args)
-        lowered = _not_converted(candidate.module, args)  # all lowered: skip_reason
+        lowered = not_converted(candidate.module, args)  # all lowered: skip_reason
         route = "through ONNX, " + ", ".join(lowered) + " lowered" if lowered else "from torch"
         with context.step(f"converting to OpenVINO IR ({route})"):
             runner = openvino.runner_for(candidate.module, args, chosen, via_onnx=bool(lowered))
@@ -135,7 +135,7 @@ class OpenVinoF32(OpenVino):
         return super().skip_reason(candidate, context)
 
 
-def _not_converted(module, args: tuple) -> list[str]:
+def not_converted(module, args: tuple) -> list[str]:
     """The operators ``module`` calls that OpenVINO's PyTorch converter has no rule for."""
     called = libraries.all_operators_called(module, args)
     return sorted(op for op in called if op.partition("::")[0] not in _CONVERTED)

@@ -21,7 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.openvino import OpenVino
+from bladesmith.passes.openvino import OpenVino, not_converted
 from bladesmith.passes.registry import Context, PassSkipped
 from bladesmith.runtimes import openvino
 from bladesmith.runtimes.built_for import tensors_in
@@ -54,8 +54,11 @@ class OpenVinoInt8(OpenVino):
             raise PassSkipped("no calibration inputs (Config.calibration_data)")
         args = candidate.runner_args(context.example_args)
         pipeline = [candidate.runner_args(each) for each in calibration]
+        lowered = not_converted(candidate.module, args)  # all lowered: skip_reason
         with context.step("converting to OpenVINO IR"):
-            model, output_spec, dtypes = openvino.convert(candidate.module, args)
+            model, output_spec, dtypes = openvino.convert(
+                candidate.module, args, via_onnx=bool(lowered)
+            )
         logging.getLogger("nncf").setLevel(logging.WARNING)  # its progress bars and notes
         dataset = nncf.Dataset(pipeline, _arrays)
         with context.step(f"calibrating INT8 ranges on {len(pipeline)} inputs"):
