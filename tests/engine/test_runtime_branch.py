@@ -10,11 +10,11 @@ from torch import nn
 
 import bladesmith
 from bladesmith.config import Config
-from bladesmith.passes import Candidate, Context, Pass
+from bladesmith.passes import Candidate, Context, Pass, PassSkipped
 from bladesmith.runtimes.torchscript import SUFFIX as TORCHSCRIPT_SUFFIX
 from engine_testing import Wasteful
 
-QUICK = Config(warmup=1, iters=4, progress=False)
+QUICK = Config(warmup=1, iters=6, progress=False)
 
 
 class Unwrap(Pass):
@@ -55,7 +55,23 @@ class Runtime(Pass):
         return candidate.with_runner(inner if self.faster else slower, self.name)
 
 
-def _optimized(runtime: Runtime):
+class SkipsOnceApplied(Pass):
+    """A runtime that takes every result and finds out only once applied that it does
+    not apply (a dependency missing, nothing for it to do)."""
+
+    name = "test_skips_once_applied"
+    devices = ("cpu",)
+    saves_as = TORCHSCRIPT_SUFFIX
+
+    def __init__(self):
+        self.applied = 0
+
+    def apply(self, candidate: Candidate, context: Context) -> Candidate:
+        self.applied += 1
+        raise PassSkipped("nothing to do here")
+
+
+def _optimized(runtime: Pass):
     torch.manual_seed(0)
     model = Wasteful(Wasteful(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()))).eval()
     x = torch.rand(1, 3, 16, 16)
@@ -69,6 +85,7 @@ def _optimized(runtime: Runtime):
 
 def test_a_runtime_refused_by_the_best_runs_the_result_before_it_and_wins():
     spec, records = _optimized(Runtime(faster=True))
+    assert records["test_unwrap"].status == "kept", records["test_unwrap"].reason
     assert records["test_runtime"].status == "kept", records["test_runtime"].reason
     assert records["test_runtime"].reason.startswith(
         "tried on the result without test_unwrap (the best so far: it has no rule for what "
@@ -80,6 +97,14 @@ def test_a_runtime_refused_by_the_best_runs_the_result_before_it_and_wins():
 
 def test_a_slower_runtime_on_an_earlier_result_leaves_the_best():
     spec, records = _optimized(Runtime(faster=False))
+    assert records["test_unwrap"].status == "kept", records["test_unwrap"].reason
     assert records["test_runtime"].status == "rejected"
     assert records["test_runtime"].reason.startswith("tried on the result without test_unwrap")
-    assert records["test_unwrap"].status == "kept" and spec.passes == ("test_unwrap",)
+    assert spec.passes == ("test_unwrap",)
+
+
+def test_a_runtime_that_skips_once_applied_is_not_applied_again_to_an_earlier_result():
+    runtime = SkipsOnceApplied()
+    _, records = _optimized(runtime)
+    assert runtime.applied == 1
+    assert records["test_skips_once_applied"].reason == "nothing to do here"

@@ -255,8 +255,11 @@ def _on_an_earlier_result(
     """A runtime that cannot take the best so far (an operator or a dtype a pass kept
     brought in: OpenVINO and bladesmith's Winograd kernel) tried on the latest kept
     result it can take, timed against the best: the fastest runtime wins, whichever
-    passes it leaves out. The skip stands where no kept result takes it."""
+    passes it leaves out. The skip stands where no kept result takes it, or where the
+    pass took the best and skipped only once applied (nothing earlier would change it)."""
     best = chain[-1]
+    if skip_reason(each, best, trial.context) is None:
+        return skipped, None, None
     for earlier in reversed(chain[:-1]):
         if skip_reason(each, earlier, trial.context) is None:
             break
