@@ -13,8 +13,10 @@ as it skips ``openvino``: nothing of the model is left unconverted to keep in fl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import logging
 
 import torch
@@ -59,10 +61,12 @@ class OpenVinoInt8(OpenVino):
             model, output_spec, dtypes = openvino.convert(
                 candidate.module, args, via_onnx=bool(lowered)
             )
-        logging.getLogger("nncf").setLevel(logging.WARNING)  # its progress bars and notes
+        logging.getLogger("nncf").setLevel(logging.WARNING)  # its notes
         dataset = nncf.Dataset(pipeline, _arrays)
+        # NNCF draws its own progress bars on stdout, which is the user's: the step says it.
         with context.step(f"calibrating INT8 ranges on {len(pipeline)} inputs"):
-            quantized = self.quantize(model, dataset, candidate, pipeline, context)
+            with contextlib.redirect_stdout(io.StringIO()):
+                quantized = self.quantize(model, dataset, candidate, pipeline, context)
         chosen = openvino.settings(
             config.openvino_hint, config.openvino_threads, config.openvino_streams, None
         )
