@@ -110,9 +110,9 @@ class OptimizedModule(nn.Module):
         (which the TorchScript, ONNX Runtime and compiled formats use)."""
         runners = getattr(self._run, "runs", {None: self._run}).values()  # Checked: several
         for runner in runners:
-            used = getattr(runner, "used", None)
-            if callable(used) and used():
-                return used()
+            used = runner.used() if callable(getattr(runner, "used", None)) else None
+            if used:
+                return used
         return {"threads": torch.get_num_threads()}
 
     def as_padded(self) -> OptimizedModule:

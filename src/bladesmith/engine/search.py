@@ -242,8 +242,7 @@ def _kept_in_turn(
             checkpoints = [checkpoints[0], *faster, (candidate, gain, len(records) - 1)]
             best, best_run = candidate, run
             chain.append(candidate)
-            kept = trial.context.kept
-            kept[:] = [name for name in kept if name in candidate.applied] + [each.name]
+            trial.context.kept.append(each.name)
         elif before is not best_run:  # it will not wrap the best: that runs without it
             best_run = before
     return checkpoints
@@ -266,6 +265,9 @@ def _on_an_earlier_result(
     else:
         return skipped, None, None
     record, candidate, run = trial(each, earlier, before)
+    if record.status == "kept":  # the passes kept after ``earlier`` are not in the result
+        kept = trial.context.kept
+        kept[:] = [name for name in kept if name in earlier.applied]
     left_out = [name for name in best.applied if name not in earlier.applied]
     record.reason = (
         f"tried on the result without {', '.join(left_out)} (the best so far: "
