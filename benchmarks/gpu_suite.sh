@@ -7,12 +7,17 @@
 #       [bench-families] [family-NAME] [probe-capture] [probe-capture-rcnn] [probe-rcnn]
 #       [probe-rcnn-compiled]
 #       [probe-serve-batches] [probe-serve-host] [compiled-artifact]
-#       [serve-artifact] [bench-serve] [bench-serve-http|shm|uint8]
+#       [artifact-MODEL] [artifact-tests] [fp8-MODEL] [fp8-tests] [serve-artifact] [bench-serve]
+#       [bench-serve-http|shm|uint8]
 # cuda-tests runs only the tests marked `cuda` (the rest run in CI on the CPU);
 # cuda-ops-tests only those of the custom operators, cuda-families-tests those of the
 # detector families. family-NAME runs bench_families.py
 # for one family (retinanet, fcos, ssd300, ...) at the batch sizes in $FAMILY_BATCHES
-# (default 1), in a process of its own. bench-serve* serve with $SERVE_INSTANCES instances
+# (default 1), in a process of its own; artifact-MODEL runs compiled_artifact.py for one
+# model (resnet50_b1, ssdlite, bert_base_b8x128, ...), artifact-tests the `cuda` tests of
+# the compiled artifact; fp8-MODEL runs fp8_gpu.py for one model (vit_b_16, bert_base; torchao
+# from the carried wheels where they hold it), fp8-tests the `cuda` tests of the fp8 pass.
+# bench-serve* serve with $SERVE_INSTANCES instances
 # (default 2) at the concurrencies $SERVE_CONCURRENCY (default 1,8,32,128), batching
 # requests for up to $SERVE_DELAY_US microseconds (default 2000). probe-rcnn probes
 # $RCNN_FAMILY (default faster_rcnn) in float32, then with the passes $RCNN_PASSES
@@ -100,6 +105,16 @@ for s in $steps; do
             step compiled-artifact-settings python3 benchmarks/compiled_artifact.py --device cuda \
                 --models resnet50_b1 --settings max_autotune,freezing \
                 --json "$out/compiled_artifact_settings.json" ;;
+        artifact-tests) step artifact-tests "${pytest[@]}" -m cuda \
+            tests/runtimes/test_compiled_program.py ;;
+        artifact-*) step "$s" python3 benchmarks/compiled_artifact.py --device cuda \
+            --models "${s#artifact-}" --json "$out/$s.json" ;;
+        fp8-tests) step fp8-tests "${pytest[@]}" -m cuda tests/passes/test_float8.py ;;
+        fp8-*)
+            [ -d /tmp/site ] || ! ls .whl/*.whl >/dev/null 2>&1 || python3 -m pip install -q \
+                --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+            step "$s" env PYTHONPATH="$PYTHONPATH:/tmp/site" python3 benchmarks/fp8_gpu.py \
+                --models "${s#fp8-}" --search-iters 10 --json "$out/$s.json" ;;
         probe-serve-batches) step probe-serve-batches python3 benchmarks/probe_serve_batches.py ;;
         probe-serve-host)
             [ -f /tmp/rn32.pt ] || serve_artifact

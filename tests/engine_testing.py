@@ -216,12 +216,13 @@ class Wasteful(nn.Module):
     it, a compiler or converter (Inductor; the ONNX export OpenVINO converts) drops it as
     dead code, so the pass that compiles the model wins by many times whatever the load
     of a shared machine. For tests of what such a pass keeps and saves, not of its speed
-    (on a small net its real win can be within the noise, and the result run eager)."""
+    (on a small net its real win can be within the noise, and the result run eager). A GPU
+    needs a larger ``size`` for the product to dominate."""
 
-    def __init__(self, inner: nn.Module):
+    def __init__(self, inner: nn.Module, size: int = 768):
         super().__init__()
         self.inner = inner
-        square = torch.rand(768, 768, generator=torch.Generator().manual_seed(0))
+        square = torch.rand(size, size, generator=torch.Generator().manual_seed(0))
         self.register_buffer("square", square)
 
     def forward(self, *args):

@@ -20,6 +20,7 @@ def test_registry_lists_builtin_passes_in_order_and_refuses_duplicates():
         "channel_padding",
         "roi_heads_bf16",
         "linear_bf16",
+        "fp8",
         "inductor",
         "torchscript",
         "cudnn_benchmark",

@@ -8,9 +8,10 @@ none a module could be cast to), and how a result in it is judged (``gate``):
   weights moved by the precision's rounding (``noise_unit``, relative), as
   ``verify.tolerance`` describes; float32, float16, bfloat16.
 - ``"metric"``: the outputs move by far more than rounding (int8 steps are 1/127 of a
-  range), so no tensor tolerance tells a right result from a wrong one; the task's
-  metric on held-out inputs against the model as given judges it instead (top-1
-  agreement, detection F1, or the user's ``Config(metric=...)``: ``verify.task_metric``).
+  range, float8 e4m3 keeps 3 mantissa bits), so no tensor tolerance tells a right result
+  from a wrong one; the task's metric on held-out inputs against the model as given
+  judges it instead (top-1 agreement, detection F1, or the user's ``Config(metric=...)``:
+  ``verify.task_metric``).
 
 Adding a precision is one ``Precision`` here and the pass that declares it
 (``Pass.computes_in``).
@@ -43,6 +44,8 @@ FLOAT32 = Precision("float32", torch.float32, "tolerance", 2.0**-23)
 FLOAT16 = Precision("float16", torch.float16, "tolerance", torch.finfo(torch.float16).eps / 2)
 BFLOAT16 = Precision("bfloat16", torch.bfloat16, "tolerance", torch.finfo(torch.bfloat16).eps / 2)
 INT8 = Precision("int8", None, "metric")
+# e4m3 matrix products (3 mantissa bits): judged as int8 is
+FLOAT8 = Precision("float8", torch.float8_e4m3fn, "metric")
 
 _BY_DTYPE = {each.dtype: each for each in (FLOAT64, FLOAT32, FLOAT16, BFLOAT16)}
 

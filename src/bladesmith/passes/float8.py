@@ -1,0 +1,138 @@
+"""fp8: linear layers in float8 on GPUs with FP8 tensor cores (compute capability 8.9+).
+
+Each ``nn.Linear`` whose sizes FP8 matrix products take (both multiples of 16) becomes a
+``Float8Linear``: its weight stored once in float8 e4m3 with one scale for the tensor,
+its input scaled by its own absolute maximum at each call (dynamic, per tensor) and cast
+to e4m3, and the product run by ``torch._scaled_mm`` into the input's dtype, bias added
+there. Inductor fuses the input's scaling into the layers before it; the result saves as
+a ``.ptc`` like any compiled result. Layers that call their weight themselves rather than
+calling the module (``nn.MultiheadAttention``'s projections) and everything that is not a
+Linear (the user's and bladesmith's operators among it) stay as they are.
+
+e4m3 keeps 3 mantissa bits: outputs move by far more than rounding, so the result
+computes in ``precisions.FLOAT8`` and is judged by the task's metric on held-out inputs
+(top-1 agreement for a classifier; ``Config(metric=...)`` for anything else), as int8 is.
+Part of level o2, or ``Config(include=["fp8"])``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from bladesmith.passes.candidate import Candidate
+from bladesmith.passes.registry import Context, Pass
+from bladesmith.verify import precisions
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max
+_ALIGN = 16  # what torch._scaled_mm asks of a product's inner and outer sizes
+# (major, minor) from which a GPU has FP8 tensor cores: Ada (8.9), Hopper (9.0)
+FP8_CAPABILITY = (8, 9)
+
+
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """The float32 scale that maps ``amax`` to e4m3's largest value (1 where it is 0)."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def to_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as e4m3 values and the scale (a float32 scalar) that gives it back."""
+    scale = _scale_of(x.detach().abs().amax())
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+class Float8Linear(nn.Module):
+    """``linear`` with an e4m3 weight (one scale) and its input cast to e4m3 at each call."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight, scale = to_e4m3(linear.weight.detach())
+        # [out, in] row-major: its transpose is the column-major operand _scaled_mm takes
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", scale)
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        values, scale = to_e4m3(rows)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        out = torch._scaled_mm(
+            values,
+            self.weight.t(),
+            scale_a=scale,
+            scale_b=self.weight_scale,
+            bias=bias,
+            out_dtype=x.dtype,
+        )
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3"
+
+
+def convertible(module: nn.Module) -> list[str]:
+    """The names of ``module``'s Linear layers that FP8 takes: sizes multiples of 16,
+    called as modules (not inside an ``nn.MultiheadAttention``, which reads their weight)."""
+    inside_attention = {
+        f"{name}.{child}" if name else child
+        for name, each in module.named_modules()
+        if isinstance(each, nn.MultiheadAttention)
+        for child, _ in each.named_modules()
+        if child
+    }
+    return [
+        name
+        for name, each in module.named_modules()
+        if type(each) in (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
+        and name not in inside_attention
+        and each.in_features % _ALIGN == 0
+        and each.out_features % _ALIGN == 0
+    ]
+
+
+def to_float8(module: nn.Module, names: list[str]) -> nn.Module:
+    """A copy of ``module`` with the Linear layers ``names`` as ``Float8Linear``."""
+    module = copy.deepcopy(module)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name)
+        setattr(parent, child, Float8Linear(getattr(parent, child)))
+    return module
+
+
+class Float8(Pass):
+    """Linear layers in float8 e4m3 (dynamic per-tensor scales) on FP8 GPUs (o2)."""
+
+    name = "fp8"
+    levels = ("o2",)
+    devices = ("cuda",)
+    changes_precision = True
+    computes_in = precisions.FLOAT8
+    rewrites_modules = True
+
+    def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
+        capability = torch.cuda.get_device_capability(context.device)
+        if capability < FP8_CAPABILITY:
+            return (
+                f"{torch.cuda.get_device_name(context.device)} (compute capability "
+                f"{capability[0]}.{capability[1]}) has no FP8 tensor cores; they start at "
+                f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} (Ada, Hopper)"
+            )
+        if not convertible(candidate.module):
+            return "the model has no Linear layer FP8 takes (sizes multiples of 16)"
+        return None
+
+    def apply(self, candidate: Candidate, context: Context) -> Candidate:
+        names = convertible(candidate.module)
+        context.notes.append(
+            f"{self.name}: {len(names)} Linear layer(s) in float8 e4m3, the rest as they were"
+        )
+        return candidate.with_module(
+            to_float8(candidate.module, names), self.name, precision=self.computes_in
+        )

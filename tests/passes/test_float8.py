@@ -1,0 +1,154 @@
+"""fp8: Linear layers in float8 e4m3. The layer's arithmetic runs on this CPU too
+(torch._scaled_mm has a CPU kernel); the pass and its verdicts need an FP8 GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import bladesmith
+from bladesmith.config import Config
+from bladesmith.passes.candidate import Candidate
+from bladesmith.passes.float8 import E4M3, Float8, Float8Linear, convertible, to_float8
+from bladesmith.passes.registry import Context
+from engine_testing import cuda
+from test_reload import reload_in_new_process
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.float() - expected.float()).norm() / expected.float().norm())
+
+
+def test_a_float8_linear_computes_the_linear_within_e4m3_rounding():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    fp8 = Float8Linear(linear)
+    assert fp8.weight.dtype == E4M3 and fp8.weight.shape == (48, 64)
+    for x in (torch.randn(5, 7, 64), torch.randn(3, 64) * 100):
+        error = _relative_error(fp8(x), linear(x).detach())
+        # e4m3 keeps 3 mantissa bits (steps of 1/16 relative): a few percent, never exact
+        assert 1e-3 < error < 0.08, error
+
+
+def test_a_float8_linear_answers_in_its_input_dtype():
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 16).half()
+    x = torch.randn(4, 32, dtype=torch.float16)
+    got = Float8Linear(linear)(x)
+    assert got.dtype == torch.float16
+    assert _relative_error(got, linear.float()(x.float())) < 0.08
+
+
+def test_one_outlier_channel_drowns_the_others_in_a_per_tensor_scale():
+    """Why fp8 is judged by the task's metric: a scale set by one huge channel flushes
+    the small values of the rest to zero."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 16, bias=False)
+    x = torch.randn(8, 64) * 0.01
+    x[:, 0] = 1e5
+    with torch.no_grad():
+        linear.weight[:, 0] = 0  # the outlier channel adds nothing to the answer
+    assert _relative_error(Float8Linear(linear)(x), linear(x).detach()) > 0.5
+
+
+def test_fp8_takes_linears_called_as_modules_with_sizes_multiples_of_16():
+    """torchvision's ViT: its MLPs' Linears, not the attention's projections (whose weight
+    nn.MultiheadAttention reads itself) nor a head of 10 classes."""
+    torch.manual_seed(0)
+    vit = torchvision.models.VisionTransformer(
+        image_size=32,
+        patch_size=16,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=64,
+        mlp_dim=128,
+        num_classes=10,
+    ).eval()
+    nn.init.normal_(vit.heads.head.weight)  # torchvision starts it at zero
+    names = convertible(vit)
+    assert names == [f"encoder.layers.encoder_layer_{i}.mlp.{j}" for i in (0, 1) for j in (0, 3)]
+    converted = to_float8(vit, names)
+    assert isinstance(converted.encoder.layers[0].mlp[0], Float8Linear)
+    assert isinstance(vit.encoder.layers[0].mlp[0], nn.Linear)  # the input untouched
+    x = torch.rand(4, 3, 32, 32)
+    with torch.no_grad():
+        assert 1e-4 < _relative_error(converted(x), vit(x)) < 0.1
+
+
+def test_fp8_is_skipped_on_a_gpu_without_fp8_tensor_cores(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    model = nn.Sequential(nn.Linear(32, 32))
+    context = Context(device=torch.device("cuda"), level="o2", config=Config(), example_args=())
+    reason = Float8().skip_reason(Candidate(model, torch.device("cuda")), context)
+    assert reason is not None and "8.0" in reason and "8.9" in reason, reason
+
+
+class Clusters(nn.Module):
+    """A classifier whose classes are far apart: class c's score is the input's product
+    with centre c, after hidden layers that keep it (wide enough for FP8 to pay). With
+    ``outlier``, one channel a million times the rest flushes the others to zero in FP8."""
+
+    def __init__(self, width: int = 4096, classes: int = 16, outlier: bool = False):
+        super().__init__()
+        half = torch.randn(classes, width // 2, generator=torch.Generator().manual_seed(0))
+        # symmetric, so that a held-out input (an input reversed and moved) keeps its class
+        self.centres = torch.cat([half, half.flip(-1)], dim=-1)
+        self.hidden = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
+        with torch.no_grad():
+            for layer in self.hidden:
+                layer.weight.copy_(torch.eye(width))
+                layer.bias.zero_()
+            if outlier:
+                self.hidden[0].weight[0, 0] = 1e6
+        self.head = nn.Linear(width, classes, bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(self.centres)
+            self.head.weight[:, 0] = 0
+
+    def inputs(self, count: int, seed: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        labels = torch.randint(0, len(self.centres), (count,), generator=generator)
+        return self.centres[labels] + 0.3 * torch.randn(
+            count, self.centres.shape[1], generator=generator
+        )
+
+    def forward(self, x):
+        return self.head(self.hidden(x))
+
+
+@cuda
+def test_on_an_fp8_gpu_fp8_is_judged_by_top1_agreement_and_saves_as_ptc(tmp_path):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores (compute capability 8.9+)")
+    model = Clusters()
+    data = [(model.inputs(1024, seed),) for seed in range(3)]
+    config = Config(include=["fp8"], save_as=".ptc", progress=False)
+    optimized, spec, report = bladesmith.optimize(
+        model, device="cuda", test_data=data, config=config
+    )
+    record = next(each for each in report.optimizations if each.name == "fp8")
+    assert record.status in ("kept", "rejected"), record
+    assert "top-1 agreement" in record.reason or "judged by the task's metric" in record.reason
+    if record.status == "kept":
+        assert spec.dtype == "float8" and spec.save_formats[0] == ".ptc", spec
+        path = bladesmith.save(optimized, tmp_path / "fp8.ptc")
+        x = data[0][0].cuda()
+        with torch.no_grad():
+            expected = optimized(x)
+        reload_in_new_process(path, (x,), expected, tmp_path)
+
+
+@cuda
+def test_on_an_fp8_gpu_a_model_fp8_breaks_is_rejected_with_its_metric(tmp_path):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores (compute capability 8.9+)")
+    model = Clusters(outlier=True)
+    data = [(model.inputs(1024, seed),) for seed in range(3)]
+    config = Config(include=["fp8"], progress=False)
+    _, spec, report = bladesmith.optimize(model, device="cuda", test_data=data, config=config)
+    record = next(each for each in report.optimizations if each.name == "fp8")
+    assert record.status == "rejected" and "top-1 agreement" in record.reason, record
+    assert "fp8" not in spec.passes
