@@ -11,8 +11,15 @@ from torch import nn
 import bladesmith
 from bladesmith.config import Config
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.float8 import E4M3, Float8, Float8Linear, convertible, to_float8
-from bladesmith.passes.registry import Context
+from bladesmith.passes.float8 import (
+    E4M3,
+    Float8,
+    Float8Linear,
+    convertible,
+    layers_to_keep,
+    to_float8,
+)
+from bladesmith.passes.registry import Context, PassSkipped
 from engine_testing import cuda
 from test_reload import reload_in_new_process
 
@@ -89,11 +96,13 @@ def test_fp8_is_skipped_on_a_gpu_without_fp8_tensor_cores(monkeypatch):
 class Clusters(nn.Module):
     """A classifier whose classes are far apart: class c's score is the input's product
     with centre c, after hidden layers that keep it (wide enough for FP8 to pay). With
-    ``outlier``, one channel a million times the rest flushes the others to zero in FP8."""
+    ``outlier``, the first layer's weight holds one entry a million times the rest (on a
+    channel these inputs leave at zero): in FP8 its scale flushes the others to zero."""
 
     def __init__(self, width: int = 4096, classes: int = 16, outlier: bool = False):
         super().__init__()
         half = torch.randn(classes, width // 2, generator=torch.Generator().manual_seed(0))
+        half[:, 0] = 0  # the outlier's channel: zero in the inputs this class gives
         # symmetric, so that a held-out input (an input reversed and moved) keeps its class
         self.centres = torch.cat([half, half.flip(-1)], dim=-1)
         self.hidden = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
@@ -111,12 +120,29 @@ class Clusters(nn.Module):
     def inputs(self, count: int, seed: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(seed)
         labels = torch.randint(0, len(self.centres), (count,), generator=generator)
-        return self.centres[labels] + 0.3 * torch.randn(
+        x = self.centres[labels] + 0.3 * torch.randn(
             count, self.centres.shape[1], generator=generator
         )
+        x[:, 0] = 0
+        return x
 
     def forward(self, x):
         return self.head(self.hidden(x))
+
+
+def test_fp8_mixed_keeps_the_layer_fp8_breaks_and_no_other():
+    model = Clusters(width=64, outlier=True).eval()
+    names = convertible(model)
+    assert names == ["hidden.0", "hidden.1", "head"]
+    calls = [(model.inputs(128, seed),) for seed in range(2)]
+    assert layers_to_keep(model, names, calls, Config()) == ["hidden.0"]
+
+
+def test_fp8_mixed_has_nothing_to_keep_where_every_layer_holds():
+    model = Clusters(width=64).eval()
+    calls = [(model.inputs(128, seed),) for seed in range(2)]
+    with pytest.raises(PassSkipped, match="every Linear layer holds"):
+        layers_to_keep(model, convertible(model), calls, Config())
 
 
 @cuda

@@ -21,6 +21,7 @@ def test_registry_lists_builtin_passes_in_order_and_refuses_duplicates():
         "roi_heads_bf16",
         "linear_bf16",
         "fp8",
+        "fp8_mixed",
         "inductor",
         "torchscript",
         "cudnn_benchmark",

@@ -13,7 +13,7 @@ from bladesmith.passes.conv_fusion import ConvFusion
 from bladesmith.passes.cuda_graph import CudaGraph
 from bladesmith.passes.cudnn_benchmark import CudnnBenchmark
 from bladesmith.passes.fixed_shape import FixedShape
-from bladesmith.passes.float8 import Float8
+from bladesmith.passes.float8 import Float8, Float8Mixed
 from bladesmith.passes.head_packing import HeadPacking
 from bladesmith.passes.inductor import Inductor
 from bladesmith.passes.norm_folding import NormFolding
@@ -39,6 +39,7 @@ ORDER = (
     RoIHeadsBFloat16,
     LinearBFloat16,
     Float8,
+    Float8Mixed,
     Inductor,
     TorchScriptFreeze,
     CudnnBenchmark,

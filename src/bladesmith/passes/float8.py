@@ -12,7 +12,10 @@ Linear (the user's and bladesmith's operators among it) stay as they are.
 e4m3 keeps 3 mantissa bits: outputs move by far more than rounding, so the result
 computes in ``precisions.FLOAT8`` and is judged by the task's metric on held-out inputs
 (top-1 agreement for a classifier; ``Config(metric=...)`` for anything else), as int8 is.
-Part of level o2, or ``Config(include=["fp8"])``.
+Where it fails, ``fp8_mixed`` ranks the layers by how far FP8 in each alone moves the
+outputs and keeps the most sensitive as they were until the metric holds on calibration
+inputs (as NNCF's accuracy control and ModelOpt's auto-quantize do). Part of level o2, or
+``Config(include=["fp8"])``.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import copy
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from bladesmith.passes.candidate import Candidate
-from bladesmith.passes.registry import Context, Pass
-from bladesmith.verify import precisions
+from bladesmith.passes.registry import Context, Pass, PassSkipped
+from bladesmith.verify import precisions, task_metric
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
@@ -136,3 +140,80 @@ class Float8(Pass):
         return candidate.with_module(
             to_float8(candidate.module, names), self.name, precision=self.computes_in
         )
+
+
+class Float8Mixed(Float8):
+    """fp8 with the layers it breaks kept as they were, where fp8 failed its metric (o2)."""
+
+    name = "fp8_mixed"
+
+    def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
+        if Float8.name in context.kept:
+            return f"{Float8.name} was kept: every layer holds the metric in float8"
+        return super().skip_reason(candidate, context)
+
+    def apply(self, candidate: Candidate, context: Context) -> Candidate:
+        calibration, how = context.calibration()
+        if not calibration:
+            raise PassSkipped("no calibration inputs (Config.calibration_data)")
+        calls = [candidate.runner_args(each) for each in calibration]
+        names = convertible(candidate.module)
+        with context.step(f"ranking {len(names)} Linear layers by their FP8 error"):
+            kept = layers_to_keep(candidate.module, names, calls, context.config)
+        context.notes.append(
+            f"{self.name}: {len(kept)} of {len(names)} Linear layer(s) kept as they were to "
+            f"hold the metric on {how}: {', '.join(kept)}"
+        )
+        chosen = [name for name in names if name not in kept]
+        return candidate.with_module(
+            to_float8(candidate.module, chosen), self.name, precision=self.computes_in
+        )
+
+
+def layers_to_keep(module: nn.Module, names: list[str], calls: list[tuple], config) -> list[str]:
+    """The fewest of ``names`` to keep out of FP8, most sensitive first (how far FP8 in
+    that layer alone moves ``module``'s outputs on ``calls``), for the task's metric on
+    ``calls`` to hold against ``module``'s own outputs there. Raises ``PassSkipped``
+    where all of them hold it, or where no choice does."""
+    with torch.no_grad():
+        expected = [module(*each) for each in calls]
+
+        def outputs(chosen: list[str]) -> list:
+            converted = to_float8(module, chosen)
+            return [converted(*each) for each in calls]
+
+        def holds(kept: int) -> bool:
+            verdict = task_metric.judge(expected, outputs(ranked[kept:]), calls, config)
+            if isinstance(verdict, str):
+                raise PassSkipped(f"not judged on the calibration inputs: {verdict}")
+            return verdict.passed
+
+        error = {name: _moved(expected, outputs([name])) for name in names}
+        ranked = sorted(names, key=error.get, reverse=True)
+        if holds(0):
+            raise PassSkipped(
+                "every Linear layer holds the metric in float8 on the calibration inputs: "
+                "nothing to keep as it was"
+            )
+        if not holds(len(ranked) - 1):
+            raise PassSkipped(
+                "the metric fails on the calibration inputs even with only the least "
+                f"sensitive layer ({ranked[-1]}) in float8"
+            )
+        low, high = 0, len(ranked) - 1  # fails with low kept, holds with high kept
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if holds(middle) else (middle, high)
+    return ranked[:high]
+
+
+def _moved(expected: list, got: list) -> float:
+    """How far ``got`` moved from ``expected``: the relative norm of the difference of
+    their floating-point tensors, all calls together."""
+    pairs = [
+        (x.float(), y.float())
+        for x, y in zip(pytree.tree_leaves(expected), pytree.tree_leaves(got), strict=True)
+        if isinstance(x, torch.Tensor) and x.is_floating_point()
+    ]
+    difference = sum(float((y - x).norm() ** 2) for x, y in pairs)
+    return (difference / max(sum(float(x.norm() ** 2) for x, _ in pairs), 1e-30)) ** 0.5
