@@ -19,8 +19,9 @@ from bladesmith.passes.float8 import (
     layers_to_keep,
     to_float8,
 )
+from bladesmith.passes.inductor import Inductor
 from bladesmith.passes.registry import Context, PassSkipped
-from engine_testing import cuda
+from engine_testing import Wasteful, cuda
 from test_reload import reload_in_new_process
 
 
@@ -145,6 +146,37 @@ def test_fp8_mixed_has_nothing_to_keep_where_every_layer_holds():
         layers_to_keep(model, convertible(model), calls, Config())
 
 
+@pytest.mark.slow
+def test_fp8s_result_is_compiled_by_inductor_and_saves_as_ptc(tmp_path):
+    """On this CPU, the pass's apply alone (the pass runs on FP8 GPUs): the FP8 module
+    compiled by Inductor, then that module saved as .ptc, float8 weights and all."""
+    cpu = torch.device("cpu")
+    model = Clusters(width=64).eval()
+    x = model.inputs(32, seed=0)
+    context = Context(device=cpu, level="o1", config=Config(), example_args=(x,))
+    result = Float8().apply(Candidate(model, cpu), context)
+    assert result.module_passes == ("fp8",) and result.runner_passes == ("inductor",)
+    assert result.computes_in.name == "float8"
+    with torch.no_grad():
+        assert _relative_error(result(x), result.module(x)) < 1e-2
+        assert 1e-4 < _relative_error(result(x), model(x)) < 0.08
+    # Inductor kept whatever its gain (Wasteful: dead code it drops)
+    config = Config(save_as=".ptc", progress=False)
+    optimized, spec, _ = bladesmith.optimize(
+        Wasteful(result.module),
+        "o2",
+        device="cpu",
+        test_data=[(x,)],
+        passes=[Inductor()],
+        config=config,
+    )
+    assert spec.save_formats[0] == ".ptc", spec.refused_formats
+    path = bladesmith.save(optimized, tmp_path / "fp8.ptc")
+    with torch.no_grad():
+        expected = optimized(x)
+    reload_in_new_process(path, (x,), expected, tmp_path)
+
+
 @cuda
 def test_on_an_fp8_gpu_fp8_is_judged_by_top1_agreement_and_saves_as_ptc(tmp_path):
     if torch.cuda.get_device_capability() < (8, 9):
@@ -156,9 +188,10 @@ def test_on_an_fp8_gpu_fp8_is_judged_by_top1_agreement_and_saves_as_ptc(tmp_path
         model, device="cuda", test_data=data, config=config
     )
     record = next(each for each in report.optimizations if each.name == "fp8")
-    assert record.status in ("kept", "rejected"), record
-    assert "top-1 agreement" in record.reason or "judged by the task's metric" in record.reason
+    # judged by its metric before it is timed: rejected, if at all, for its speed alone
+    assert record.status == "kept" or "needed to keep it" in record.reason, record
     if record.status == "kept":
+        assert "judged by the task's metric" in record.reason, record
         assert spec.dtype == "float8" and spec.save_formats[0] == ".ptc", spec
         path = bladesmith.save(optimized, tmp_path / "fp8.ptc")
         x = data[0][0].cuda()

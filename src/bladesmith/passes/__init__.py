@@ -3,7 +3,8 @@
 Adapt the model first (fixed shapes, the head over all levels at once), then change its
 arithmetic (precision, convolution algorithm, memory format), then build what runs it
 (Inductor and a CUDA graph on the GPU; TorchScript, ONNX Runtime or OpenVINO on the CPU). A
-TorchScript model is frozen before cuDNN's autotuning and the CUDA graph wrap it.
+TorchScript model is frozen before cuDNN's autotuning and the CUDA graph wrap it. FP8
+rewrites the module after Inductor, since it pays only compiled, and compiles it again.
 """
 
 from bladesmith.passes.candidate import Candidate
@@ -38,9 +39,9 @@ ORDER = (
     ChannelPadding,
     RoIHeadsBFloat16,
     LinearBFloat16,
+    Inductor,
     Float8,
     Float8Mixed,
-    Inductor,
     TorchScriptFreeze,
     CudnnBenchmark,
     CudaGraph,

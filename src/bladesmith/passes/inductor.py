@@ -49,20 +49,26 @@ class Inductor(Pass):
                 f"inductor: {', '.join(opaque)} has no fake kernel; it runs as an opaque call "
                 "between compiled graphs (torch.library.register_fake lets Inductor see through)"
             )
-        mode = compile_mode(context.level)
-        compiled = torch.compile(candidate.module, mode=mode, dynamic=False)
-        # What a .ptc of the result compiles with (freezing aside: torch's caches skip
-        # frozen graphs, so a .ptc carries compiled code only without it).
-        setattr(
-            compiled,
-            compiled_program.SETTINGS_ATTRIBUTE,
-            {"max_autotune": mode != compile_mode("o0")},
-        )
-        # Inductor reads its config when it compiles, on the first call.
-        with (
-            context.step(f"compiling with Inductor (mode={mode})"),
-            torch._inductor.config.patch(freezing=True),
-            torch.no_grad(),
-        ):
-            compiled(*candidate.runner_args(context.example_args))
-        return candidate.with_runner(compiled, self.name)
+        return compiled(candidate, context)
+
+
+def compiled(candidate: Candidate, context: Context) -> Candidate:
+    """``candidate`` with its module compiled by Inductor (the mode ``context.level``
+    asks for, frozen weights, compiled on the example) as its runner."""
+    mode = compile_mode(context.level)
+    runner = torch.compile(candidate.module, mode=mode, dynamic=False)
+    # What a .ptc of the result compiles with (freezing aside: torch's caches skip
+    # frozen graphs, so a .ptc carries compiled code only without it).
+    setattr(
+        runner,
+        compiled_program.SETTINGS_ATTRIBUTE,
+        {"max_autotune": mode != compile_mode("o0")},
+    )
+    # Inductor reads its config when it compiles, on the first call.
+    with (
+        context.step(f"compiling with Inductor (mode={mode})"),
+        torch._inductor.config.patch(freezing=True),
+        torch.no_grad(),
+    ):
+        runner(*candidate.runner_args(context.example_args))
+    return candidate.with_runner(runner, Inductor.name)
