@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import bladesmith
-from bladesmith.engine import saved_formats
+from bladesmith.engine import result, saved_formats
+from bladesmith.passes import openvino as openvino_pass
 from bladesmith.passes.torchscript import TorchScriptFreeze
+from bladesmith.spec import Spec
 
 
 def test_a_save_that_fails_names_the_cause_even_when_torch_starts_on_a_new_line(monkeypatch):
@@ -30,3 +34,16 @@ def test_a_save_that_fails_names_the_cause_even_when_torch_starts_on_a_new_line(
         "saving it and loading it back failed (RuntimeError: Unknown builtin op: "
         "torchvision::nms. Could not find any similar ops)"
     ), spec.refused_formats
+
+
+def test_a_runtime_computing_in_a_dtype_refuses_formats_only_where_it_was_kept(monkeypatch):
+    """On a CPU with bf16 instructions OpenVINO computes in bf16; its refusals (every
+    format but .ov: the model runs in OpenVINO) belong to its runner, so a bf16 result of
+    the bf16 pass is refused .onnx for bf16's reason alone, and .pt not at all."""
+    monkeypatch.setattr(openvino_pass, "_installed_default", lambda: "bf16")
+    spec = Spec("cpu", "bfloat16", ((1, 3),), "as the model", ("bf16",), "eager", ())
+    refused = result._dtype_refusals(spec)
+    assert set(refused) == {".onnx"}, refused
+    assert "ONNX Runtime" in refused[".onnx"] and "bf16" in refused[".onnx"]
+    kept = dataclasses.replace(spec, passes=("openvino",), backend="openvino")
+    assert ".pt" in result._dtype_refusals(kept)

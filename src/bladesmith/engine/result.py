@@ -163,11 +163,15 @@ def with_tried_formats(
 def _dtype_refusals(spec: Spec) -> dict[str, str]:
     """The formats that a result computing in ``spec.dtype`` cannot be saved in (suffix:
     why), as the passes that compute in that dtype declare them, naming those kept (a
-    model given in that dtype refuses them too)."""
+    model given in that dtype refuses them too). A pass that builds a runner (OpenVINO,
+    in bf16 on a CPU with bf16) refuses formats for its runner, not for the dtype: it
+    counts only where the result kept it."""
     computing = [
         each
         for each in registry.create_all()
-        if each.computes_in is not None and each.computes_in.name == spec.dtype
+        if each.computes_in is not None
+        and each.computes_in.name == spec.dtype
+        and (each.saves_as is None or each.name in spec.passes)
     ]
     refused: dict[str, str] = {}
     for each in computing:
