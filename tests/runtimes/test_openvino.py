@@ -137,7 +137,9 @@ def test_a_user_operator_with_a_standard_onnx_lowering_converts_through_onnx(
     with torch.no_grad():
         got, expected = optimized(x), model(x)
     assert expected.abs().max() == 1.5  # the clip is exercised
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # OpenVINO computes in bf16 on a CPU with bf16 instructions, as the spec says
+    close = {"rtol": 1e-2, "atol": 2e-2} if spec.dtype == "bfloat16" else {}
+    torch.testing.assert_close(got, expected, **{"rtol": 1e-5, "atol": 1e-5, **close})
 
 
 _WITHOUT_OPENVINO = """
