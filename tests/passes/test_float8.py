@@ -177,17 +177,26 @@ def test_fp8s_result_is_compiled_by_inductor_and_saves_as_ptc(tmp_path):
     reload_in_new_process(path, (x,), expected, tmp_path)
 
 
-@cuda
-def test_on_an_fp8_gpu_fp8_is_judged_by_top1_agreement_and_saves_as_ptc(tmp_path):
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("needs FP8 tensor cores (compute capability 8.9+)")
-    model = Clusters()
+def fp8_gpu(test):
+    """A `cuda` test, skipped on a GPU without FP8 tensor cores."""
+    old_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9)
+    return cuda(pytest.mark.skipif(old_gpu, reason="needs FP8 tensor cores (8.9+)")(test))
+
+
+def optimized_with_fp8(model: Clusters, **settings):
+    """(optimized, spec, fp8's record, test data) of ``model`` on the GPU, fp8 included."""
     data = [(model.inputs(1024, seed),) for seed in range(3)]
-    config = Config(include=["fp8"], save_as=".ptc", progress=False)
+    config = Config(include=["fp8"], progress=False, **settings)
     optimized, spec, report = bladesmith.optimize(
         model, device="cuda", test_data=data, config=config
     )
     record = next(each for each in report.optimizations if each.name == "fp8")
+    return optimized, spec, record, data
+
+
+@fp8_gpu
+def test_on_an_fp8_gpu_fp8_is_judged_by_top1_agreement_and_saves_as_ptc(tmp_path):
+    optimized, spec, record, data = optimized_with_fp8(Clusters(), save_as=".ptc")
     # judged by its metric before it is timed: rejected, if at all, for its speed alone
     assert record.status == "kept" or "needed to keep it" in record.reason, record
     if record.status == "kept":
@@ -200,14 +209,8 @@ def test_on_an_fp8_gpu_fp8_is_judged_by_top1_agreement_and_saves_as_ptc(tmp_path
         reload_in_new_process(path, (x,), expected, tmp_path)
 
 
-@cuda
-def test_on_an_fp8_gpu_a_model_fp8_breaks_is_rejected_with_its_metric(tmp_path):
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("needs FP8 tensor cores (compute capability 8.9+)")
-    model = Clusters(outlier=True)
-    data = [(model.inputs(1024, seed),) for seed in range(3)]
-    config = Config(include=["fp8"], progress=False)
-    _, spec, report = bladesmith.optimize(model, device="cuda", test_data=data, config=config)
-    record = next(each for each in report.optimizations if each.name == "fp8")
+@fp8_gpu
+def test_on_an_fp8_gpu_a_model_fp8_breaks_is_rejected_with_its_metric():
+    _, spec, record, _ = optimized_with_fp8(Clusters(outlier=True))
     assert record.status == "rejected" and "top-1 agreement" in record.reason, record
     assert "fp8" not in spec.passes
