@@ -164,10 +164,7 @@ class Float8Mixed(Float8):
         return super().skip_reason(candidate, context)
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
-        calibration, how = context.calibration()
-        if not calibration:
-            raise PassSkipped("no calibration inputs (Config.calibration_data)")
-        calls = [candidate.runner_args(each) for each in calibration]
+        calls, how = context.calibration_calls(candidate)
         names = convertible(candidate.module)
         with context.step(f"ranking {len(names)} Linear layers by their FP8 error"):
             kept = layers_to_keep(candidate.module, names, calls, context.config)

@@ -51,11 +51,8 @@ class OpenVinoInt8(OpenVino):
         import nncf
 
         config = context.config
-        calibration, how = context.calibration()
-        if not calibration:
-            raise PassSkipped("no calibration inputs (Config.calibration_data)")
+        pipeline, how = context.calibration_calls(candidate)
         args = candidate.runner_args(context.example_args)
-        pipeline = [candidate.runner_args(each) for each in calibration]
         lowered = not_converted(candidate.module, args)  # all lowered: skip_reason
         with context.step("converting to OpenVINO IR"):
             model, output_spec, dtypes = openvino.convert(

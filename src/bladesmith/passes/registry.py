@@ -49,6 +49,14 @@ class Context:
     # step(description) -> context manager that shows progress during a long step
     step: Callable[[str], contextlib.AbstractContextManager] = lambda _: contextlib.nullcontext()
 
+    def calibration_calls(self, candidate: Candidate) -> tuple[list[tuple], str]:
+        """The calibration inputs as ``candidate``'s runner takes them, and what they are;
+        ``PassSkipped`` where there are none."""
+        calibration, how = self.calibration()
+        if not calibration:
+            raise PassSkipped("no calibration inputs (Config.calibration_data)")
+        return [candidate.runner_args(each) for each in calibration], how
+
 
 class Pass:
     """Base of every pass. Subclasses set the class attributes and ``apply``."""
