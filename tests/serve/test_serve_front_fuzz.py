@@ -371,17 +371,28 @@ def test_a_flood_of_connections_is_refused_past_the_limit_and_idle_ones_are_clos
     held = []
     try:
         for port in (server.http_port, server.grpc_port):
-            flood = [socket.create_connection(("127.0.0.1", port), 5) for _ in range(limit + 50)]
+            flood, opened = [], []
+            for _ in range(limit + 50):
+                flood.append(socket.create_connection(("127.0.0.1", port), 5))
+                opened.append(time.monotonic())
             held += flood
-            # Those past the limit are closed at once (HTTP: answered 503 first).
-            assert len(_closed(flood, 1.0)) == 50, port
-            if port == server.http_port:  # while it is reached, a new one is told so
+            # Those past the limit are closed at once (HTTP: answered 503 first). A flood
+            # slowed by the listen backlog (a busy machine) lets the idle timeout close
+            # its first connections meanwhile, making room for as many later ones: those
+            # aged past IDLE_S may be closed too, and no connection more.
+            closed = _closed(flood, 1.0)
+            aged = sum(time.monotonic() - at > IDLE_S - 1.0 for at in opened)
+            took = f"port {port}: flood of {len(flood)} in {opened[-1] - opened[0]:.1f} s"
+            assert 50 <= len(closed) <= 50 + aged, (len(closed), aged, took)
+            fresh = time.monotonic() - opened[0] < IDLE_S - 2.0
+            if port == server.http_port and fresh:  # while it is reached, a new one is told so
                 assert _send(server.http_port, _request("GET", "/v2/health/ready")) == 503
         # Idle, each is closed within IDLE_S (gRPC: its handshake's timeout).
         assert len(_closed(held, CLOSE_WITHIN_S)) == len(held)
     finally:
         for connection in held:
             connection.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert server.ready() and server.running()
     answers_correctly(server)
     log = server.log.read_text(errors="replace")

@@ -25,7 +25,7 @@ from test_serve_server import (  # noqa: E402
 )
 
 import bladesmith  # noqa: E402
-from bladesmith.serve.server import _group_members, _stubs  # noqa: E402
+from bladesmith.serve.server import Server, _group_members, _state, _stubs  # noqa: E402
 
 
 def _serve(artifact: Path, log: Path) -> tuple[subprocess.Popen, int]:
@@ -47,7 +47,11 @@ def test_a_model_instance_that_dies_ends_serve_with_exit_1_naming_it(net_artifac
         assert name == "net_0_0"
         os.kill(stub, signal.SIGKILL)
         killed = time.monotonic()
-        code = process.wait(60)
+        try:
+            code = process.wait(60)
+        except subprocess.TimeoutExpired:
+            left = {pid: _state(pid) for pid in [tritonserver, *_group_members(tritonserver)]}
+            pytest.fail(f"serve still runs 60 s on; left {left}; log: {log.read_text()[-3000:]}")
         took = time.monotonic() - killed
     finally:
         if process.poll() is None:
@@ -57,6 +61,37 @@ def test_a_model_instance_that_dies_ends_serve_with_exit_1_naming_it(net_artifac
     assert len(said) == 1 and f"model instance net_0_0 (pid {stub}) died" in said[0], said
     assert not _group_members(tritonserver)
     assert not _owned_folders(process.pid)
+
+
+def test_a_model_instance_that_dies_as_the_server_turns_ready_is_watched(
+    net_artifacts, tmp_path, monkeypatch
+):
+    # A client may see the server ready, and its instance die, before start() returns.
+    ready, killed = Server.ready, []
+
+    def ready_then_killed(server: Server) -> bool:
+        answer = ready(server)
+        if answer and not killed:
+            killed.extend(_stubs(server._process.pid))
+            for stub in killed:
+                os.kill(stub, signal.SIGKILL)
+        return answer
+
+    monkeypatch.setattr(Server, "ready", ready_then_killed)
+    http, grpc, metrics = free_ports(3)
+    server = bladesmith.serve(
+        net_artifacts[".pt"], http_port=http, grpc_port=grpc, metrics_port=metrics,
+        block=False, log=tmp_path / "serve.log",
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while server.running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        [stub] = killed
+        assert not server.running()
+        assert server.failure == f"model instance net_0_0 (pid {stub}) died"
+    finally:
+        server.stop()
 
 
 @pytest.mark.slow

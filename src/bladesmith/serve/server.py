@@ -383,11 +383,10 @@ class Server:
         )
         try:
             self._launch(command, folder, front)
-            self._wait_ready(timeout)
+            stubs = self._wait_ready(timeout)
         except BaseException:
             self.stop()
             raise
-        stubs = _stubs(self._process.pid)
         threading.Thread(
             target=self._watch, args=(self._process, self._front, stubs), daemon=True
         ).start()
@@ -418,7 +417,10 @@ class Server:
             if output:
                 output.close()
 
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, timeout: float) -> dict[int, str]:
+        """Wait for the server to be ready; its model instances (their stubs, see
+        ``_stubs``), found before it said so: one that dies as soon as a client sees it
+        ready is still watched."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for what, process in (("tritonserver", self._process), ("the front", self._front)):
@@ -428,8 +430,9 @@ class Server:
                         f"serve: {what} exited with code {process.returncode} while starting{hint}"
                     )
             self._restrict_shared_memory()  # as soon as the backend makes its regions
+            stubs = _stubs(self._process.pid)
             if self.ready():
-                return
+                return stubs
             time.sleep(0.05)
         raise BladesmithError(f"serve: tritonserver was not ready after {timeout:.0f} s")
 
@@ -438,17 +441,11 @@ class Server:
         the front exits (until the server is ended otherwise)."""
         stopped = dict.fromkeys(stubs, 0)
         while not self._ended.wait(WATCH_S):
-            self._restrict_shared_memory()  # a region grown or made anew
-            failure = None
-            if front.poll() is not None:
-                failure = f"the request front exited (code {front.returncode})"
-            for pid, name in stubs.items():
-                state = _state(pid)
-                stopped[pid] = stopped[pid] + 1 if state == "T" else 0
-                if state in ("", "Z", "X"):
-                    failure = f"model instance {name} (pid {pid}) died"
-                elif stopped[pid] >= STOPPED_LOOKS:
-                    failure = f"model instance {name} (pid {pid}) is stopped (stuck)"
+            try:
+                failure = _failure(front, stubs, stopped)
+                self._restrict_shared_memory()  # a region grown or made anew
+            except Exception as error:  # noqa: BLE001 - unwatched, a failure would go unseen
+                failure = f"the watch on the model instances failed ({error!r})"
             if failure is None or process.poll() is not None:
                 continue  # tritonserver exiting by itself is said by stop()
             with self._lock:
@@ -568,6 +565,22 @@ def _stop_front(front: subprocess.Popen, cut_short: threading.Event | None) -> N
             front.wait(SEND_TIMEOUT_S + 2)
     _end_group(front.pid)
     front.wait()
+
+
+def _failure(front, stubs: dict[int, str], stopped: dict[int, int]) -> str | None:
+    """What ends the server, seen in one look: the front exited, or a model instance of
+    ``stubs`` died or stayed stopped (``stopped``: looks in a row each was seen stopped)."""
+    failure = None
+    if front.poll() is not None:
+        failure = f"the request front exited (code {front.returncode})"
+    for pid, name in stubs.items():
+        state = _state(pid)
+        stopped[pid] = stopped[pid] + 1 if state == "T" else 0
+        if state in ("", "Z", "X"):
+            failure = f"model instance {name} (pid {pid}) died"
+        elif stopped[pid] >= STOPPED_LOOKS:
+            failure = f"model instance {name} (pid {pid}) is stopped (stuck)"
+    return failure
 
 
 def _state(pid: int) -> str:
