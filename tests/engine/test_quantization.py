@@ -18,6 +18,7 @@ from bladesmith import images
 from bladesmith.config import Config
 from bladesmith.errors import SettingError
 from bladesmith.images import varied_photos
+from bladesmith.passes import Pass
 from bladesmith.verify import precisions, task_metric
 from bladesmith.verify.heldout import calibration_inputs, held_out_inputs
 
@@ -200,6 +201,55 @@ def test_a_model_that_int8_breaks_is_rejected_with_the_metric_in_the_reason(phot
     assert record.reason.startswith("openvino_int8: top-1 agreement "), record.reason
     assert "is below the bar 0.99" in record.reason, record.reason
     assert spec.dtype == "float32" and spec.backend == "eager"
+
+
+def test_an_int8_result_rejected_for_speed_still_states_its_metric(photos):
+    pytest.importorskip("nncf")
+    _, spec, report = _int8(small_cnn(), photos, min_speedup=100.0)
+    record = report.optimizations[0]
+    assert record.status == "rejected" and "below the 100x needed" in record.reason, record
+    assert "top-1 agreement 1 " in record.reason and "bar 0.99" in record.reason, record
+    assert spec.dtype == "float32"
+
+
+class _RightWhereSeen(nn.Module):
+    """``inner``, with the first item of each batch given another class wherever the
+    batch is none of ``seen``: wrong on one item in eight of every input but those."""
+
+    def __init__(self, inner: nn.Module, seen: list[torch.Tensor]):
+        super().__init__()
+        self.inner, self.seen = inner, seen
+
+    def forward(self, x):
+        logits = self.inner(x)
+        if any(s.shape == x.shape and torch.equal(s, x) for s in self.seen):
+            return logits
+        return torch.cat([logits[:1].roll(1, -1), logits[1:]])
+
+
+class _SeenOnly(Pass):
+    """An INT8 result right on the test data and its first held-out inputs alone."""
+
+    name = "seen_only"
+    levels = ("o2",)
+    computes_in = precisions.INT8
+
+    def apply(self, candidate, context):
+        shown = [*context.test_args, *held_out_inputs(context.test_args).args]
+        module = _RightWhereSeen(candidate.module, [args[0] for args in shown])
+        return candidate.with_module(module, self.name, precision=precisions.INT8)
+
+
+def test_a_metric_verdict_counts_over_a_hundred_items_not_the_few_a_tolerance_needs(photos):
+    # The two held-out variants the tolerance checks use (16 items) would pass it.
+    config = Config(**QUICK)
+    _, spec, report = bladesmith.optimize(
+        small_cnn(), "o2", test_data=[photos], config=config, passes=[_SeenOnly()]
+    )
+    [record] = report.optimizations
+    assert record.status == "rejected", record.reason
+    assert "top-1 agreement 0.89" in record.reason and "over 104 items" in record.reason
+    assert spec.dtype == "float32"
 
 
 def test_a_user_metric_gates_the_int8_result(photos):

@@ -5,9 +5,9 @@ trace that held its example as a constant answers it exactly). Every candidate t
 would be kept, the final result and every saved format are also run on held-out
 inputs derived from the test data (``verify.heldout``) and judged against the model as
 given there, at the tolerances measured on the test data, or, where its precision is
-judged by the task's metric (int8), by that metric (``verify.task_metric``). A result
-that fails there and
-answers the held-out inputs exactly as it answered the test data, where the model as
+judged by the task's metric (int8, float8), by that metric (``verify.task_metric``) on
+a larger set of at least ``METRIC_ITEMS`` items, since a bar such as 0.99 means nothing
+over a few. A result that fails there and answers the held-out inputs exactly as it answered the test data, where the model as
 given answers otherwise, does not depend on its inputs: it is refused with that reason,
 even where ``disable_fp16_accuracy_check`` waives its tolerance.
 """
@@ -26,7 +26,11 @@ from bladesmith.errors import describe
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context
 from bladesmith.verify import degenerate_reasons, task_metric
-from bladesmith.verify.heldout import held_out_inputs
+from bladesmith.verify.heldout import VARIANTS, held_out_inputs, items
+
+# A metric's verdict counts over at least this many items (images, rows) where the test
+# data's signatures allow: one disagreement in n moves agreement by 1/n.
+METRIC_ITEMS = 100
 
 
 @dataclass(frozen=True)
@@ -50,45 +54,62 @@ class HeldOutCheck:
     ):
         self._reference, self._given, self._context = reference, given, context
         self._outputs_of = outputs_of
-        self._held: Reference | None = None
-        self._sources: list[int] = []
-        self._made = False
-        self.how = ""  # what the held-out inputs are, once made; why there are none
+        # Per set (False: the tolerance checks'; True: the metric's): the model's outputs
+        # there, the test entry each input came from, and what the set is (or why none).
+        self._sets: dict[bool, tuple[Reference | None, list[int], str]] = {}
 
     @property
-    def args(self) -> list[tuple]:
-        held = self._prepared()
+    def how(self) -> str:
+        return self.described()
+
+    def described(self, by_metric: bool = False) -> str:
+        """What the held-out inputs (``by_metric``: the metric's) are, once made; why
+        there are none."""
+        return self._sets[by_metric][2] if by_metric in self._sets else ""
+
+    def args(self, by_metric: bool = False) -> list[tuple]:
+        """The held-out inputs (``by_metric``: those a metric verdict counts over)."""
+        held = self._prepared(by_metric)
         return list(held.inputs) if held is not None else []
 
-    def _prepared(self) -> Reference | None:
-        if self._made:
-            return self._held
-        self._made = True
-        held = held_out_inputs(self._context.test_args)
+    def _prepared(self, by_metric: bool = False) -> Reference | None:
+        if by_metric not in self._sets:
+            self._sets[by_metric] = self._made(by_metric)
+        return self._sets[by_metric][0]
+
+    def _made(self, by_metric: bool) -> tuple[Reference | None, list[int], str]:
+        test_args = self._context.test_args
+        # A metric's bar tells 0.99 from 1.0 only over 100 items: that many at least.
+        variants = -(-METRIC_ITEMS // items(test_args)) if by_metric else len(VARIANTS)
+        held = held_out_inputs(test_args, max(variants, len(VARIANTS)))
+        which = "the metric's " if by_metric else ""
         try:
-            with self._context.step("running the model as given on held-out inputs"):
+            with self._context.step(f"running the model as given on {which}held-out inputs"):
                 outputs = self._outputs_of(self._given, held.args)
         except Exception as error:
-            self.how = f"none: the model as given failed on them ({describe(error)})"
             self._context.notes.append(
                 f"Held-out inputs ({held.how}): the model as given failed on them "
                 f"({describe(error)}); results are verified on the test data only."
             )
-            return None
+            return None, [], f"none: the model as given failed on them ({describe(error)})"
         kept = [i for i, out in enumerate(outputs) if not degenerate_reasons(out, held.args[i])]
         if not kept:
-            self.how = "none: the model as given answers nothing on them (no finite output)"
-            return None
-        self._sources = [held.sources[i] for i in kept]
-        self._held = self._reference.on(
-            [held.args[i] for i in kept], [outputs[i] for i in kept], self._sources
+            return None, [], "none: the model as given answers nothing on them (no finite output)"
+        sources = [held.sources[i] for i in kept]
+        reference = self._reference.on(
+            [held.args[i] for i in kept], [outputs[i] for i in kept], sources
         )
-        self.how = f"{len(kept)} held-out input(s)"
+        whom = (
+            "every result in a precision the task's metric judges"
+            if by_metric
+            else ("every result kept")
+        )
         self._context.notes.append(
-            f"Held-out inputs: {len(kept)} {held.how.split(' ', 1)[1]}: every result kept "
-            "is checked on them against the model as given."
+            f"Held-out inputs{' for the metric' if by_metric else ''}: {len(kept)} "
+            f"{held.how.split(' ', 1)[1]}: {whom} is checked on them against the model "
+            "as given."
         )
-        return self._held
+        return reference, sources, f"{len(kept)} held-out input(s)"
 
     def check(
         self,
@@ -103,7 +124,8 @@ class HeldOutCheck:
         inputs, given its outputs on the test data; None when there are none to check on.
         ``waived``: its tolerance is not held against it (the dependence on the inputs
         still is)."""
-        held = self._prepared()
+        by_metric = candidate.computes_in.by_metric
+        held = self._prepared(by_metric)
         if held is None:
             return None
         try:
@@ -117,7 +139,7 @@ class HeldOutCheck:
             config,
             who=who,
             waived=waived,
-            by_metric=candidate.computes_in.by_metric,
+            by_metric=by_metric,
         )
 
     def judge(
@@ -131,11 +153,12 @@ class HeldOutCheck:
         waived: bool = False,
         by_metric: bool = False,
     ) -> Verdict:
-        """Outputs on the held-out inputs (``outputs``) judged against the model's there
-        (``by_metric``: by the task's metric, which no waiver excuses); when they fail,
-        whether they answer as on the test data (``test_outputs``) where the model does
-        not: then they ignore their inputs, which no waiver excuses either."""
-        held = self._prepared()
+        """Outputs on the held-out inputs (``outputs``; ``args(by_metric)``) judged
+        against the model's there (``by_metric``: by the task's metric, which no waiver
+        excuses); when they fail, whether they answer as on the test data
+        (``test_outputs``) where the model does not: then they ignore their inputs, which
+        no waiver excuses either."""
+        held = self._prepared(by_metric)
         if by_metric:
             return self._by_metric(held, test_outputs, outputs, config, who)
         try:
@@ -164,26 +187,29 @@ class HeldOutCheck:
         measured = task_metric.judge(held.outputs, outputs, held.inputs, config)
         if isinstance(measured, str):
             return Verdict(False, f"{who}: not judged by the task's metric: {measured}")
-        line = f"{measured.line} on held-out inputs ({self.how})"
+        line = f"{measured.line} on held-out inputs ({self.described(True)})"
         if measured.passed:
             return Verdict(True, line, measured.to_dict())
-        constant = self._constant(held, test_outputs, outputs, who)
+        constant = self._constant(held, test_outputs, outputs, who, by_metric=True)
         if constant is not None:
             line += "; " + constant.line.removeprefix(f"{who}: ")
         return Verdict(False, f"{who}: {line}", measured.to_dict())
 
-    def _constant(self, held: Reference, test_outputs, outputs, who) -> Verdict | None:
+    def _constant(
+        self, held: Reference, test_outputs, outputs, who, by_metric: bool = False
+    ) -> Verdict | None:
         """A failing verdict when the result answers a held-out input exactly as it
         answered the test input it came from, where the model as given answers otherwise
         (it held the test input as a constant); None otherwise."""
         reference = self._reference
-        for index, source in enumerate(self._sources):
+        _, sources, how = self._sets[by_metric]
+        for index, source in enumerate(sources):
             model_moved = not _identical(reference.outputs[source], held.outputs[index])
             if model_moved and _identical(test_outputs[source], outputs[index]):
                 return Verdict(
                     False,
                     f"{who}: its outputs do not depend on its inputs: on held-out inputs "
-                    f"({self.how}) it answered exactly what it answered on the test data, "
+                    f"({how}) it answered exactly what it answered on the test data, "
                     "where the model as given answers otherwise (the test input was held "
                     "as a constant)",
                 )

@@ -408,7 +408,7 @@ def _tried_formats(
         optimized.spec = with_tried_formats(
             spec,
             optimized,
-            context.test_args + trial.held_out.args,
+            context.test_args + trial.held_out.args(best.computes_in.by_metric),
             refused={**_refused_formats(passes, best), **constant_argument_refusals(best, context)},
             judge=_saved_judge(trial, best, tolerance_waived(best, passes, config)),
             tolerance=tolerance,

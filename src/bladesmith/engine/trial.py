@@ -131,9 +131,8 @@ class Trial:
             with self.context.step(f"{name}: the task's metric on held-out inputs"):
                 held = self.held_out.check(run.candidate, outputs, config, who=name)
             if held is None or not held.passed:
-                why = (
-                    held.line if held else f"no held-out input to judge it on ({self.held_out.how})"
-                )
+                none = f"no held-out input to judge it on ({self.held_out.described(True)})"
+                why = held.line if held else none
                 return (
                     record("rejected", f"{why} ({built}; not timed)", accuracy=accuracy),
                     None,
@@ -184,6 +183,8 @@ class Trial:
             check += f", not verified on these inputs (kept as Config({consent}=True) asks)"
         kept, reason = _speed_verdict(each, speedup, config.min_speedup, check, built)
         if not kept:
+            if held is not None:  # judged by the metric first: what it measured stays said
+                reason += f"; {held.line}"
             return record("rejected", reason, **fields), None, None
         if not by_metric:
             with self.context.step(f"{name}: verifying on held-out inputs"):

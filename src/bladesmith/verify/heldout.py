@@ -50,14 +50,36 @@ class HeldOut:
 
 def held_out_inputs(test_args: Sequence[tuple], count: int = len(VARIANTS)) -> HeldOut:
     """``count`` held-out variants of each test entry of a signature (structure, shapes,
-    dtypes) that no earlier entry had; seeded, so every call gives the same."""
+    dtypes) that no earlier entry had; seeded, so every call gives the same. Variants
+    past the two of ``VARIANTS`` are the first again with other seeds (other views of
+    the photographs, other noise, other token ids): mirrored copies of one test input
+    would be near copies of each other."""
     args, sources = _derived(
         test_args,
         count,
-        lambda entry, index, variant: _variant(entry, variant, seed=1000 * index + variant),
+        lambda entry, index, variant: _variant(
+            entry, variant if variant < len(VARIANTS) else 0, seed=1000 * index + variant
+        ),
     )
     how = "; ".join(VARIANTS[:count])
     return HeldOut(args, sources, f"{len(args)} derived from the test data ({how})")
+
+
+def items(test_args: Sequence[tuple]) -> int:
+    """The items (images, rows) one held-out variant of each signature holds: its first
+    argument's length (a list of images) or rows (a batch), one otherwise."""
+    total, seen = 0, set()
+    for entry in test_args:
+        key = _signature(entry)
+        if key in seen:
+            continue
+        seen.add(key)
+        first = entry[0] if isinstance(entry, tuple) and entry else entry
+        if isinstance(first, (list, tuple)):
+            total += len(first)
+        else:
+            total += int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
+    return max(total, 1)
 
 
 # Calibration inputs derived per test entry of a signature (each a batch like it).

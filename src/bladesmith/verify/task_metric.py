@@ -14,8 +14,9 @@ against the model as given.
   ``max_drop`` (0.01 by default) below the model as given's.
 
 What a count of items can claim: one item in n that disagrees moves agreement by 1/n,
-so 0.99 is told apart from 1.0 only from 100 items on; the verdict says how many it
-counted, and docs/optimize.md how to give more.
+so 0.99 is told apart from 1.0 only from 100 items on; the engine judges on at least
+that many held-out items (``engine.heldout.METRIC_ITEMS``), and the verdict says how
+many it counted.
 """
 
 from __future__ import annotations
