@@ -7,9 +7,10 @@ inputs derived from the test data (``verify.heldout``) and judged against the mo
 given there, at the tolerances measured on the test data, or, where its precision is
 judged by the task's metric (int8, float8), by that metric (``verify.task_metric``) on
 a larger set of at least ``METRIC_ITEMS`` items, since a bar such as 0.99 means nothing
-over a few. A result that fails there and answers the held-out inputs exactly as it answered the test data, where the model as
-given answers otherwise, does not depend on its inputs: it is refused with that reason,
-even where ``disable_fp16_accuracy_check`` waives its tolerance.
+over a few. A result that fails there and answers the held-out inputs exactly as it
+answered the test data, where the model as given answers otherwise, does not depend on
+its inputs: it is refused with that reason, even where ``disable_fp16_accuracy_check``
+waives its tolerance.
 """
 
 from __future__ import annotations
