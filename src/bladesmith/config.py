@@ -293,6 +293,14 @@ SETTINGS = {
             optional=True,
         ),
         Setting(
+            "held_out_data",
+            "data",
+            "inputs every result is also judged on against the model as given, and a "
+            "quantized result's metric counts over (None: derived from the test data, at "
+            "least 100 items for the metric); no pass sees them",
+            optional=True,
+        ),
+        Setting(
             "metric",
             "callable",
             "the task metric that judges a quantized result: `metric(outputs, inputs)` -> "
@@ -367,6 +375,7 @@ class Config:
     progress: bool | None = None
     save_as: str | None = None
     calibration_data: object = None
+    held_out_data: object = None
     metric: object = None
     max_drop: float | None = None
     openvino_hint: str = "latency"

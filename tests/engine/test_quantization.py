@@ -252,6 +252,24 @@ def test_a_metric_verdict_counts_over_a_hundred_items_not_the_few_a_tolerance_ne
     assert spec.dtype == "float32"
 
 
+def test_held_out_data_given_is_what_every_verdict_judges_on(photos):
+    others = varied_photos(16, (48, 48), seed=5)
+    config = Config(**QUICK, held_out_data=[others[:8], others[8:]])
+    _, spec, report = bladesmith.optimize(
+        small_cnn(), "o2", test_data=[photos], config=config, passes=[_SeenOnly()]
+    )
+    [record] = report.optimizations
+    assert record.status == "rejected", record.reason
+    assert "top-1 agreement 0.875" in record.reason and "over 16 items" in record.reason
+    assert "(2 given by Config.held_out_data)" in record.reason, record.reason
+    assert report.user_config["held_out_data"] == "2 entries"
+    with pytest.raises(SettingError, match=r"^Config.held_out_data: entry 1 matches no"):
+        bladesmith.optimize(
+            small_cnn(), "o2", test_data=[photos], passes=[_SeenOnly()],
+            config=Config(**QUICK, held_out_data=[others[:8], others[8:12]]),
+        )  # fmt: skip
+
+
 def test_a_user_metric_gates_the_int8_result(photos):
     pytest.importorskip("nncf")
 

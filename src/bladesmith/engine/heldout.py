@@ -27,7 +27,7 @@ from bladesmith.errors import describe
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.registry import Context
 from bladesmith.verify import degenerate_reasons, task_metric
-from bladesmith.verify.heldout import VARIANTS, held_out_inputs, items
+from bladesmith.verify.heldout import VARIANTS, HeldOut, held_out_inputs, items
 
 # A metric's verdict counts over at least this many items (images, rows) where the test
 # data's signatures allow: one disagreement in n moves agreement by 1/n.
@@ -51,10 +51,16 @@ class HeldOutCheck:
     args)`` runs a candidate on a list of argument tuples)."""
 
     def __init__(
-        self, reference: Reference, given: Candidate, context: Context, outputs_of: Callable
+        self,
+        reference: Reference,
+        given: Candidate,
+        context: Context,
+        outputs_of: Callable,
+        inputs: HeldOut | None = None,
     ):
         self._reference, self._given, self._context = reference, given, context
         self._outputs_of = outputs_of
+        self._inputs = inputs  # the user's (Config.held_out_data), for both sets
         # Per set (False: the tolerance checks'; True: the metric's): the model's outputs
         # there, the test entry each input came from, and what the set is (or why none).
         self._sets: dict[bool, tuple[Reference | None, list[int], str]] = {}
@@ -66,7 +72,12 @@ class HeldOutCheck:
     def described(self, by_metric: bool = False) -> str:
         """What the held-out inputs (``by_metric``: the metric's) are, once made; why
         there are none."""
-        return self._sets[by_metric][2] if by_metric in self._sets else ""
+        key = self._key(by_metric)
+        return self._sets[key][2] if key in self._sets else ""
+
+    def _key(self, by_metric: bool) -> bool:
+        """Which set judges: the user's held-out inputs are one set for both."""
+        return by_metric and self._inputs is None
 
     def args(self, by_metric: bool = False) -> list[tuple]:
         """The held-out inputs (``by_metric``: those a metric verdict counts over)."""
@@ -74,15 +85,16 @@ class HeldOutCheck:
         return list(held.inputs) if held is not None else []
 
     def _prepared(self, by_metric: bool = False) -> Reference | None:
-        if by_metric not in self._sets:
-            self._sets[by_metric] = self._made(by_metric)
-        return self._sets[by_metric][0]
+        key = self._key(by_metric)
+        if key not in self._sets:
+            self._sets[key] = self._made(key)
+        return self._sets[key][0]
 
     def _made(self, by_metric: bool) -> tuple[Reference | None, list[int], str]:
         test_args = self._context.test_args
         # A metric's bar tells 0.99 from 1.0 only over 100 items: that many at least.
         variants = -(-METRIC_ITEMS // items(test_args)) if by_metric else len(VARIANTS)
-        held = held_out_inputs(test_args, max(variants, len(VARIANTS)))
+        held = self._inputs or held_out_inputs(test_args, max(variants, len(VARIANTS)))
         which = "the metric's " if by_metric else ""
         try:
             with self._context.step(f"running the model as given on {which}held-out inputs"):
@@ -100,17 +112,14 @@ class HeldOutCheck:
         reference = self._reference.on(
             [held.args[i] for i in kept], [outputs[i] for i in kept], sources
         )
-        whom = (
-            "every result in a precision the task's metric judges"
-            if by_metric
-            else ("every result kept")
-        )
+        whom = "every result the task's metric judges" if by_metric else "every result kept"
         self._context.notes.append(
             f"Held-out inputs{' for the metric' if by_metric else ''}: {len(kept)} "
             f"{held.how.split(' ', 1)[1]}: {whom} is checked on them against the model "
             "as given."
         )
-        return reference, sources, f"{len(kept)} held-out input(s)"
+        which = "given by Config.held_out_data" if self._inputs else "held-out input(s)"
+        return reference, sources, f"{len(kept)} {which}"
 
     def check(
         self,
@@ -203,7 +212,7 @@ class HeldOutCheck:
         answered the test input it came from, where the model as given answers otherwise
         (it held the test input as a constant); None otherwise."""
         reference = self._reference
-        _, sources, how = self._sets[by_metric]
+        _, sources, how = self._sets[self._key(by_metric)]
         for index, source in enumerate(sources):
             model_moved = not _identical(reference.outputs[source], held.outputs[index])
             if model_moved and _identical(test_outputs[source], outputs[index]):

@@ -219,11 +219,11 @@ def report_of(
             **context.config.to_dict(),
             # What the user gave, in words: a function's name, how many inputs.
             "metric": getattr(context.config.metric, "__name__", context.config.metric),
-            "calibration_data": (
-                None
-                if context.config.calibration_data is None
-                else f"{len(context.config.calibration_data)} entries"
-            ),
+            **{
+                name: None if data is None else f"{len(data)} entries"
+                for name in ("calibration_data", "held_out_data")
+                for data in [getattr(context.config, name)]
+            },
         },
         diagnosis=_diagnosis(
             model_info,

@@ -67,7 +67,7 @@ from bladesmith.report import PassRecord, Report
 from bladesmith.runtimes.formats import FORMATS
 from bladesmith.spec import Spec
 from bladesmith.verify import degenerate_reasons
-from bladesmith.verify.heldout import calibration_inputs
+from bladesmith.verify.heldout import HeldOut, calibration_inputs, source_of
 
 
 def optimize(
@@ -115,6 +115,7 @@ def optimize(
         device, check_level(level), config, test_args[0], test_args, step=progress.step
     )
     context.calibration = functools.cache(lambda: _calibration(config, test_args, device))
+    held_out_given = _held_out_given(config, test_args, device)
     if model_info.pop("was_training"):
         context.notes.append("the model was in training mode; it is optimized in eval mode")
     warmup, iters = config.timing_counts(device.type)
@@ -128,7 +129,7 @@ def optimize(
     _check_save_as(working, context)
     _note_degenerate(reference, context)
     finishers = [each for each in passes if each.finisher]
-    held_out = HeldOutCheck(reference, given, context, outputs_on)
+    held_out = HeldOutCheck(reference, given, context, outputs_on, held_out_given)
     trial = Trial(
         context, reference, held_out, finishers, timing, items_per_call(test_args[0]), progress
     )
@@ -485,14 +486,32 @@ def _calibration(config: Config, test_args: list[tuple], device) -> tuple[list[t
     if config.calibration_data is None:
         derived = calibration_inputs(test_args)
         return derived.args, derived.how
-    try:
-        entries = argument_tuples(config.calibration_data)
-    except ValueError as error:
-        raise SettingError(
-            "Config.calibration_data: " + str(error).removeprefix("test_data: ")
-        ) from None
-    args = [pytree.tree_map(lambda x: to_device(x, device), each) for each in entries]
+    args = given_inputs(config.calibration_data, "calibration_data", device)
     return args, f"{len(args)} given by Config.calibration_data"
+
+
+def _held_out_given(config: Config, test_args: list[tuple], device) -> HeldOut | None:
+    """``Config.held_out_data`` as held-out inputs, each with the test entry of its
+    signature (whose measured tolerances judge it); None where it is not set."""
+    if config.held_out_data is None:
+        return None
+    args = given_inputs(config.held_out_data, "held_out_data", device)
+    sources = [source_of(each, test_args) for each in args]
+    if None in sources:
+        raise SettingError(
+            f"Config.held_out_data: entry {sources.index(None)} matches no test_data entry "
+            "in structure, shapes and dtypes: give held-out inputs shaped like the test data"
+        )
+    return HeldOut(args, sources, f"{len(args)} given by Config.held_out_data")
+
+
+def given_inputs(data, setting: str, device) -> list[tuple]:
+    """``Config.<setting>``'s inputs as argument tuples on ``device``."""
+    try:
+        entries = argument_tuples(data)
+    except ValueError as error:
+        raise SettingError(f"Config.{setting}: " + str(error).removeprefix("test_data: ")) from None
+    return [pytree.tree_map(lambda x: to_device(x, device), each) for each in entries]
 
 
 def _unchecked(held_out: HeldOutCheck, given: bool) -> str:

@@ -118,6 +118,13 @@ def _derived(test_args: Sequence[tuple], count: int, derive) -> tuple[list, list
     return args, sources
 
 
+def source_of(entry, test_args: Sequence[tuple]) -> int | None:
+    """The index of the first test entry of ``entry``'s signature (structure, shapes,
+    dtypes); None where there is none."""
+    key = _signature(entry)
+    return next((i for i, each in enumerate(test_args) if _signature(each) == key), None)
+
+
 def _signature(entry) -> tuple:
     leaves, spec = pytree.tree_flatten(entry)
     shapes = tuple(
