@@ -1,21 +1,25 @@
 """bladesmith's INT8 result against its best float result and NNCF used by hand, on the
 CPU, in one process.
 
-For each model (torchvision, random weights, 224x224, batch ``--batch``, test data: views
-of the ``skimage.data`` photographs): the model as given; bladesmith's best float result
-(level o1), saved in the format its report measured and loaded back; bladesmith's INT8
-result (level o2 without Inductor, whose CPU compile takes minutes here: the
-openvino_int8 pass), saved and loaded back; and NNCF by hand, as its documentation shows
-it: ``ov.convert_model``, ``nncf.quantize`` on the same calibration inputs bladesmith
-derived (``verify.heldout.calibration_inputs``), ``compile_model(..., "CPU",
-{"PERFORMANCE_HINT": "LATENCY"})``. They run in ``--rounds`` interleaved rounds of
-``--iters`` calls each; each line gives the median latency over all its calls and its
-speedup over bladesmith's float result (the median of the rounds' ratios, with their
-lowest and highest). Top-1 agreement with the model as given is counted on ``--held-out``
-other views (cropped, scaled, mirrored) that neither calibration nor optimize saw.
+For each model (torchvision, 224x224, batch ``--batch``): with ``--task regions`` (the
+default) its backbone random and its head trained on which region of which photograph
+a view shows (``region_task.py``: weights cannot be downloaded, and a random classifier
+answers noise), test data one batch of views, and 32 other views given as
+``Config(calibration_data=...)`` and 100 others as ``Config(held_out_data=...)``, as
+the task's user would give them; with ``--task random`` the random weights as they are
+and the inputs derived from views of the photographs. Timed: the model as given;
+bladesmith's best float result (level o1), saved in the format its report measured and
+loaded back; bladesmith's INT8 result (level o2 without Inductor, whose CPU compile takes
+minutes here: the openvino_int8 passes), saved and loaded back; and NNCF by hand, as its
+documentation shows it: ``ov.convert_model``, ``nncf.quantize`` on the same calibration
+inputs, ``compile_model(..., "CPU", {"PERFORMANCE_HINT": "LATENCY"})``. They run in
+``--rounds`` interleaved rounds of ``--iters`` calls each; each line gives the median
+latency over all its calls and its speedup over bladesmith's float result (the median of
+the rounds' ratios, with their lowest and highest). Top-1 agreement with the model as
+given is counted on ``--held-out`` other views that neither calibration nor optimize saw.
 
     python3 benchmarks/quantize_cpu.py [--models resnet50,mobilenet_v3_large]
-        [--rounds 10] [--iters 5] [--held-out 200] [--batch 2]
+        [--rounds 10] [--iters 5] [--held-out 200] [--batch 2] [--task regions|random]
 """
 
 from __future__ import annotations
@@ -68,11 +72,17 @@ def compared(name: str, options) -> str:
 
     torch.manual_seed(SEED)
     model = getattr(torchvision.models, name)(weights=None).eval()
+    data = {}  # the user's calibration and held-out inputs, where the task has them
     if options.task == "regions":
         accuracy = region_task.trained(model)
         x = region_task.views(options.batch, (224, 224), seed=7)[0]
         views, labels = region_task.views(options.held_out, (224, 224), seed=123)
         weights = f"random backbone, head trained on regions (train accuracy {accuracy:.3f})"
+        # Views of the task, as its user would give them: the derived ones are whole
+        # photographs, which this model was never meant to answer.
+        for setting, count, seed in (("calibration_data", 32, 11), ("held_out_data", 100, 99)):
+            batches = region_task.views(count, (224, 224), seed=seed)[0].split(options.batch)
+            data[setting] = [(each,) for each in batches]
     else:
         x = varied_photos(options.batch, (224, 224))
         views, labels = varied_photos(options.held_out + 1, (224, 224), seed=123)[1:], None
@@ -82,8 +92,8 @@ def compared(name: str, options) -> str:
     loaded, built = {}, {}
     with tempfile.TemporaryDirectory() as folder:
         for label, level, config in (
-            ("float", "o1", bladesmith.Config(progress=False)),
-            ("int8", "o2", bladesmith.Config(progress=False, exclude=["inductor"])),
+            ("float", "o1", bladesmith.Config(progress=False, **data)),
+            ("int8", "o2", bladesmith.Config(progress=False, exclude=["inductor"], **data)),
         ):
             started = time.perf_counter()
             optimized, spec, report = bladesmith.optimize(
@@ -100,8 +110,10 @@ def compared(name: str, options) -> str:
             )
             for record in report.optimizations:
                 if record.name.startswith("openvino_int8"):
-                    lines.append(f"    openvino_int8: {record.status}: {record.reason}")
-    calibration = [args[0] for args in calibration_inputs([(x,)]).args]
+                    lines.append(f"    {record.name}: {record.status}: {record.reason}")
+    calibration = [
+        args[0] for args in data.get("calibration_data") or calibration_inputs([(x,)]).args
+    ]
     compiled, took = nncf_by_hand(model, x, calibration)
     lines.append(
         f"  NNCF by hand: {sum(len(c) for c in calibration)} calibration images ({took:.0f} s)"
