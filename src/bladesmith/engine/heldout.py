@@ -91,13 +91,16 @@ class HeldOutCheck:
         return self._sets[key][0]
 
     def _made(self, by_metric: bool) -> tuple[Reference | None, list[int], str]:
-        test_args = self._context.test_args
-        # A metric's bar tells 0.99 from 1.0 only over 100 items: that many at least.
-        variants = -(-METRIC_ITEMS // items(test_args)) if by_metric else len(VARIANTS)
-        held = self._inputs or held_out_inputs(test_args, max(variants, len(VARIANTS)))
-        which = "the metric's " if by_metric else ""
+        held = self._inputs
+        if held is None:
+            test_args = self._context.test_args
+            # A metric's bar tells 0.99 from 1.0 only over 100 items: that many at least.
+            variants = -(-METRIC_ITEMS // items(test_args)) if by_metric else 0
+            held = held_out_inputs(test_args, max(variants, len(VARIANTS)))
+        whose = "the metric's " if by_metric else ""
+        step = f"running the model as given on {whose}held-out inputs"
         try:
-            with self._context.step(f"running the model as given on {which}held-out inputs"):
+            with self._context.step(step):
                 outputs = self._outputs_of(self._given, held.args)
         except Exception as error:
             self._context.notes.append(

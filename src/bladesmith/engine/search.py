@@ -486,7 +486,7 @@ def _calibration(config: Config, test_args: list[tuple], device) -> tuple[list[t
     if config.calibration_data is None:
         derived = calibration_inputs(test_args)
         return derived.args, derived.how
-    args = given_inputs(config.calibration_data, "calibration_data", device)
+    args = _given_inputs(config.calibration_data, "calibration_data", device)
     return args, f"{len(args)} given by Config.calibration_data"
 
 
@@ -495,7 +495,7 @@ def _held_out_given(config: Config, test_args: list[tuple], device) -> HeldOut |
     signature (whose measured tolerances judge it); None where it is not set."""
     if config.held_out_data is None:
         return None
-    args = given_inputs(config.held_out_data, "held_out_data", device)
+    args = _given_inputs(config.held_out_data, "held_out_data", device)
     sources = [source_of(each, test_args) for each in args]
     if None in sources:
         raise SettingError(
@@ -505,7 +505,7 @@ def _held_out_given(config: Config, test_args: list[tuple], device) -> HeldOut |
     return HeldOut(args, sources, f"{len(args)} given by Config.held_out_data")
 
 
-def given_inputs(data, setting: str, device) -> list[tuple]:
+def _given_inputs(data, setting: str, device) -> list[tuple]:
     """``Config.<setting>``'s inputs as argument tuples on ``device``."""
     try:
         entries = argument_tuples(data)

@@ -68,12 +68,8 @@ def held_out_inputs(test_args: Sequence[tuple], count: int = len(VARIANTS)) -> H
 def items(test_args: Sequence[tuple]) -> int:
     """The items (images, rows) one held-out variant of each signature holds: its first
     argument's length (a list of images) or rows (a batch), one otherwise."""
-    total, seen = 0, set()
-    for entry in test_args:
-        key = _signature(entry)
-        if key in seen:
-            continue
-        seen.add(key)
+    total = 0
+    for _, entry in _first_of_each_signature(test_args):
         first = entry[0] if isinstance(entry, tuple) and entry else entry
         if isinstance(first, (list, tuple)):
             total += len(first)
@@ -106,16 +102,22 @@ def _derived(test_args: Sequence[tuple], count: int, derive) -> tuple[list, list
     """``count`` inputs ``derive(entry, index, variant)`` gives for each test entry of a
     signature (structure, shapes, dtypes) that no earlier entry had, and the index of the
     entry each came from."""
-    args, sources, seen = [], [], set()
-    for index, entry in enumerate(test_args):
-        key = _signature(entry)
-        if key in seen:
-            continue
-        seen.add(key)
+    args, sources = [], []
+    for index, entry in _first_of_each_signature(test_args):
         for variant in range(count):
             args.append(derive(entry, index, variant))
             sources.append(index)
     return args, sources
+
+
+def _first_of_each_signature(test_args: Sequence[tuple]):
+    """(index, entry) of each test entry of a signature that no earlier entry had."""
+    seen = set()
+    for index, entry in enumerate(test_args):
+        key = _signature(entry)
+        if key not in seen:
+            seen.add(key)
+            yield index, entry
 
 
 def source_of(entry, test_args: Sequence[tuple]) -> int | None:
