@@ -7,14 +7,16 @@
 #       [bench-families] [family-NAME] [probe-capture] [probe-capture-rcnn] [probe-rcnn]
 #       [probe-rcnn-compiled]
 #       [probe-serve-batches] [probe-serve-host] [compiled-artifact]
-#       [artifact-MODEL] [artifact-tests] [fp8-MODEL] [fp8-tests] [serve-artifact] [bench-serve]
+#       [artifact-MODEL] [artifact-settings] [artifact-tests] [fp8-MODEL] [fp8-tests] [serve-artifact] [bench-serve]
 #       [bench-serve-http|shm|uint8]
 # cuda-tests runs only the tests marked `cuda` (the rest run in CI on the CPU);
 # cuda-ops-tests only those of the custom operators, cuda-families-tests those of the
 # detector families. family-NAME runs bench_families.py
 # for one family (retinanet, fcos, ssd300, ...) at the batch sizes in $FAMILY_BATCHES
 # (default 1), in a process of its own; artifact-MODEL runs compiled_artifact.py for one
-# model (resnet50_b1, ssdlite, bert_base_b8x128, ...), artifact-tests the `cuda` tests of
+# model (resnet50_b1, ssdlite, bert_base_b8x128, ...), artifact-settings the Inductor settings
+# (default, max_autotune, freezing) for $ARTIFACT_MODELS (default resnet50_b1),
+# artifact-tests the `cuda` tests of
 # the compiled artifact; fp8-MODEL runs fp8_gpu.py for one model (vit_b_16, bert_base; torchao
 # from the carried wheels where they hold it), fp8-tests the `cuda` tests of the fp8 pass.
 # bench-serve* serve with $SERVE_INSTANCES instances
@@ -101,10 +103,10 @@ for s in $steps; do
                 --passes ${RCNN_PASSES:-fixed_shape,fp16,channels_last,conv_fusion} --compile ;;
         compiled-artifact)  # the .ptc reloaded in a new process against in-process
             step compiled-artifact python3 benchmarks/compiled_artifact.py --device cuda \
-                --json "$out/compiled_artifact.json"
-            step compiled-artifact-settings python3 benchmarks/compiled_artifact.py --device cuda \
-                --models resnet50_b1 --settings max_autotune,freezing \
-                --json "$out/compiled_artifact_settings.json" ;;
+                --json "$out/compiled_artifact.json" ;;
+        artifact-settings) step artifact-settings python3 benchmarks/compiled_artifact.py \
+            --device cuda --models ${ARTIFACT_MODELS:-resnet50_b1} \
+            --settings default,max_autotune,freezing --json "$out/artifact_settings.json" ;;
         artifact-tests) step artifact-tests "${pytest[@]}" -m cuda \
             tests/runtimes/test_compiled_program.py ;;
         artifact-*) step "$s" python3 benchmarks/compiled_artifact.py --device cuda \
