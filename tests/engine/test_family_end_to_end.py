@@ -1,8 +1,8 @@
 """optimize end to end on the CPU for a detector other than RetinaNet: the family is
 recognised, the detections equal the model's within the gate, and the saved ``.pt``
 gives the same detections in a new process; and every torchvision detector family,
-optimized at o0 and at o1 (SSD300 aside, see LEVELS), saves in a format whose
-reload in a new process matches the model as given."""
+optimized at o0 and at o1, saves in a format whose reload in a new process matches the
+model as given."""
 
 from __future__ import annotations
 
@@ -88,11 +88,7 @@ BF16_PASSES = ["bf16", "roi_heads_bf16", "linear_bf16"]
 # o0 for every family: its result is most often the model's own module (no fixed_shape),
 # the case that saved in no format; o1, which adds the pipeline's passes. Every pair
 # takes one to three minutes here.
-# SSD300 is left out: with random weights its many overlapping boxes score near-equal,
-# so rounding reorders NMS's choices among them (25 of 747 detections differed after
-# norm_folding) further than the plain detection rule below excuses; optimize's own
-# judge, which excuses what the model's measured rounding noise flips, accepts them.
-LEVELS = [(family, level) for level in ("o0", "o1") for family in DETECTORS if family != "ssd"]
+LEVELS = [(family, level) for level in ("o0", "o1") for family in DETECTORS]
 
 
 @pytest.mark.slow

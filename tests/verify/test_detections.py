@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from verify_testing import make_detections, strict_json, take
+from verify_testing import make_detections, one_image, strict_json, take
 
 from bladesmith.verify import (
     compare_detections,
@@ -47,6 +47,20 @@ def test_shifted_boxes_fall_below_iou_and_fail():
     assert not result.passed
     assert result.f1 < 0.99
     assert "below 0.99" in result.summary()
+
+
+def test_boxes_clipped_flat_at_the_image_edge_match_by_their_segments():
+    # A detector clips a box past the image to its edge (x1 == x2 == 160): no area,
+    # so their IoU is that of the two segments. Rounding moves them by 3e-4 px, as
+    # SSD300's were; a segment moved along the edge, or off it, is another detection.
+    edge = [[160.0, 15.89, 160.0, 128.0], [20.0, 128.0, 90.0, 128.0]]
+    reference = [one_image(edge, [0.9, 0.8])]
+    rounded = [[160.0, 15.8903, 160.0, 127.9997], [20.0002, 128.0, 90.0, 128.0]]
+    result = compare_detections(reference, [one_image(rounded, [0.9, 0.8])])
+    assert result.passed and result.matched == 2, result.summary()
+    moved = [[160.0, 80.0, 160.0, 128.0], [20.0, 127.0, 90.0, 127.0]]  # IoU 0.4; parallel
+    result = compare_detections(reference, [one_image(moved, [0.9, 0.8])])
+    assert not result.passed and result.matched == 0, result.summary()
 
 
 def test_class_swap_does_not_match():

@@ -126,6 +126,25 @@ def test_detections_the_reference_flips_under_rounding_noise_are_excused():
     assert not result.passed and result.excused == 1  # A, which the noise dropped
 
 
+def test_a_detection_taking_the_room_a_rounding_flip_left_at_the_cut_is_excused():
+    # The reference's last detection (0.5001) is one its own rounding noise drops; the
+    # candidate's list gave that room to the next box (0.4999). Knowing the noise must
+    # not undo the excuse the swap at the cut has without it.
+    top3 = lambda each: [{k: v[:3] for k, v in each.items()}]  # noqa: E731
+    reference = top3(_ranked([0.9, 0.7, 0.5001, 0.0]))
+    noisy = [[{k: v[:2] for k, v in _ranked([0.9, 0.7]).items()}]]
+    swapped = _ranked([0.9, 0.7003, 0.0, 0.4999])
+    candidate = [{k: v[[0, 1, 3]] for k, v in swapped.items()}]
+    assert compare_detections(reference, candidate, score_atol=1e-3).passed
+    result = compare_detections(reference, candidate, score_atol=1e-3, noisy=noisy)
+    assert result.passed and result.excused == 2, result.summary()
+    # A box far below the cut did not take that room: it stays held against the candidate.
+    swapped = _ranked([0.9, 0.7003, 0.0, 0.3])
+    below = [{k: v[[0, 1, 3]] for k, v in swapped.items()}]
+    result = compare_detections(reference, below, score_atol=1e-3, noisy=noisy)
+    assert not result.passed and result.excused == 1, result.summary()
+
+
 def test_a_box_moved_with_its_score_untouched_is_no_near_tie():
     # One of twenty boxes moved (IoU 0.6 with where it belongs), every score
     # bit-identical: nothing was rounded, so no NMS choice can have flipped.

@@ -30,13 +30,20 @@ def matches(first, second, iou_threshold: float) -> tuple[np.ndarray, np.ndarray
 
 
 def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """IoU of [n, 4] and [m, 4] (x1, y1, x2, y2) boxes; two identical empty boxes: 1."""
-    area_a = (a[:, 2] - a[:, 0]).clip(0) * (a[:, 3] - a[:, 1]).clip(0)
-    area_b = (b[:, 2] - b[:, 0]).clip(0) * (b[:, 3] - b[:, 1]).clip(0)
-    low = np.maximum(a[:, None, :2], b[None, :, :2])
+    """IoU of [n, 4] and [m, 4] (x1, y1, x2, y2) boxes. Two boxes flattened onto one line
+    (a detector clips a box past the image to its edge: x1 == x2 == width) have no
+    area: theirs is the IoU of their segments on that line. Two identical points: 1."""
+    size_a, size_b = (a[:, 2:] - a[:, :2]).clip(0), (b[:, 2:] - b[:, :2]).clip(0)
     high = np.minimum(a[:, None, 2:], b[None, :, 2:])
-    inter = (high - low).clip(0).prod(axis=2)
-    union = area_a[:, None] + area_b[None, :] - inter
+    overlap = (high - np.maximum(a[:, None, :2], b[None, :, :2])).clip(0)  # per axis
+    inter = overlap.prod(axis=2)
+    union = size_a.prod(axis=1)[:, None] + size_b.prod(axis=1)[None, :] - inter
+    spans = size_a[:, None, :] + size_b[None, :, :] - overlap  # per axis
+    for flat, along in ((0, 1), (1, 0)):
+        on_line = (size_a[:, None, flat] == 0) & (size_b[None, :, flat] == 0)
+        on_line &= a[:, None, flat] == b[None, :, flat]
+        inter = np.where(on_line, overlap[..., along], inter)
+        union = np.where(on_line, spans[..., along], union)
     identical = (a[:, None, :] == b[None, :, :]).all(axis=2)
     with np.errstate(invalid="ignore", divide="ignore"):
         iou = np.where(union > 0, inter / union, identical.astype(np.float64))

@@ -45,12 +45,15 @@ def excuse(
     ref_excused += int(ref_flips.sum())
     cand_excused += int(cand_flips.sum())
     # Swaps across the cut come in pairs: one left each list near the cut. A lone
-    # one (a duplicate, a detection lost at the threshold) is not excused.
-    swapped = len(ties) + min(
-        _near_cut(ref_scores, ~ref_matched, cand_scores, tie_band),
-        _near_cut(cand_scores, ~cand_matched, ref_scores, tie_band),
-    )
-    return swapped, ref_excused, cand_excused
+    # one (a duplicate, a detection lost at the threshold) is not excused. Its partner
+    # may be a rounding flip at the cut: the room one list's flaky detection left (or
+    # took) went to the next box there.
+    ref_left = _near_cut(ref_scores, ~ref_matched, cand_scores, tie_band)
+    cand_left = _near_cut(cand_scores, ~cand_matched, ref_scores, tie_band)
+    across = min(ref_left, cand_left)
+    ref_excused += min(ref_left - across, _near_cut(cand_scores, cand_flips, ref_scores, tie_band))
+    cand_excused += min(cand_left - across, _near_cut(ref_scores, ref_flips, cand_scores, tie_band))
+    return len(ties) + across, ref_excused, cand_excused
 
 
 def _tie_swaps(iou, ref, cand, tie_iou: float, score_atol: float) -> list[tuple[int, int]]:
