@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton (bladesmith[serve])")
 import tritonclient.http as triton  # noqa: E402
-from serve_testing import free_ports, tiny_net, typed_inputs  # noqa: E402
+from serve_testing import NET_BATCH, QUICK, free_ports, tiny_net, typed_inputs  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 import bladesmith  # noqa: E402
@@ -77,7 +77,7 @@ def started_serve(artifact: Path, log: Path, *options: str):
     command = [
         sys.executable, "-m", "bladesmith", "serve", str(artifact),
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-        *(["--trust"] if artifact.suffix == ".pt2" else []),  # compiled code runs
+        *(["--trust"] if artifact.suffix in (".pt2", ".ptc") else []),  # compiled code runs
         *options,
     ]  # fmt: skip
     with open(log, "wb") as output:
@@ -301,6 +301,39 @@ def test_a_detector_served_as_uint8_answers_a_float_image_and_a_load_test(detect
         # From two processes, two threads each, started together.
         [row] = loadtest(server.url, concurrency=(4,), requests=12, processes=2)
         assert (row.answered, row.wrong, row.failed) == (12, 0, 0)
+
+
+@pytest.mark.slow
+def test_a_compiled_program_is_served_from_its_compiled_code_under_trust(tmp_path):
+    """A .ptc (Inductor's kernels, the speed the report gives) is served: refused in one
+    line without --trust, since loading runs the code it brings; with it, each instance
+    answers as the result in process does, over HTTP and gRPC."""
+    from bladesmith.errors import BladesmithError
+    from bladesmith.passes.inductor import Inductor
+    from bladesmith.serve.loadtest import loadtest
+    from engine_testing import Wasteful
+
+    x = torch.randn(NET_BATCH, 3, 8, 8)
+    optimized, spec, _ = bladesmith.optimize(
+        Wasteful(tiny_net()), "o2", device="cpu", test_data=[(x,)], config=QUICK,
+        passes=[Inductor()],
+    )  # fmt: skip
+    assert spec.passes == ("inductor",) and ".ptc" in spec.save_formats, spec
+    path = bladesmith.save(optimized, tmp_path / "net.ptc")
+    with torch.no_grad():
+        expected = [each.numpy() for each in optimized(x)]
+    http, grpc, metrics = free_ports(3)
+    ports = {"http_port": http, "grpc_port": grpc, "metrics_port": metrics}
+    with pytest.raises(BladesmithError, match="--trust"):
+        bladesmith.serve(path, block=False, **ports)
+    with bladesmith.serve(path, block=False, trust=True, instances=2, **ports) as server:
+        with bladesmith.client(server.url, "net") as run:
+            answers = run(x.numpy())
+        for row, answer in enumerate(answers):
+            for k, name in enumerate(("output_0", "output_1")):
+                np.testing.assert_allclose(answer[name], expected[k][row], rtol=1e-4, atol=1e-5)
+        [row] = loadtest(server.grpc_url, concurrency=(4,), requests=24)
+        assert (row.answered, row.wrong, row.failed) == (24, 0, 0)
 
 
 @pytest.mark.slow

@@ -59,9 +59,10 @@ def serve(
     shared_memory: bool = False,
     trust: bool = False,
 ) -> Server | None:
-    """Serve ``artifact`` (``.pt2``, ``.pt``, ``.onnx`` or ``.ov`` from ``bladesmith.save``) as
-    model ``name`` (default: the file's stem) on HTTP, gRPC and Prometheus-metrics ports
-    of ``host`` (default 127.0.0.1, this machine only; ``"0.0.0.0"``: every interface).
+    """Serve ``artifact`` (``.ptc``, ``.pt2``, ``.pt``, ``.onnx`` or ``.ov`` from
+    ``bladesmith.save``) as model ``name`` (default: the file's stem) on HTTP, gRPC and
+    Prometheus-metrics ports of ``host`` (default 127.0.0.1, this machine only;
+    ``"0.0.0.0"``: every interface).
 
     Requests are batched dynamically up to ``max_batch`` rows (default: the artifact's
     batch), waiting at most ``max_queue_delay_us`` for more, and run in full buckets of
