@@ -1,8 +1,9 @@
 """Served on Triton against in-process, side by side: throughput and latency per concurrency.
 
-    # H200: RetinaNet R50-FPN at 480x640 optimized for batch 32, then served
-    bladesmith optimize torchvision:retinanet_resnet50_fpn --device cuda --batch 32 --out rn32.pt2
-    python benchmarks/bench_serve.py --artifact rn32.pt2 --instances 2 --json serve.json
+    # GPU: RetinaNet R50-FPN at 480x640 optimized for batch 32, saved with its compiled
+    # code, then served (--grpc: requests over gRPC)
+    bladesmith optimize --device cuda --batch 32 --out rn32.ptc
+    python benchmarks/bench_serve.py --artifact rn32.ptc --trust --instances 2 --json serve.json
 
     # any machine: torchvision's ResNet-18 (random weights) at 3x32x32, batch 4, on the CPU
     python benchmarks/bench_serve.py --small
@@ -17,7 +18,8 @@ threads sending one image per request at each concurrency, every answer checked 
 the server's answer for the same image alone (``bladesmith loadtest``: wrong answers,
 and of those the ones mixed up with another image's; the threads spread over
 ``--client-processes`` processes, answers checked after the clock stops). The
-ratio is served images/s over in-process images/s. ``--shared-memory`` sends the images
+ratio is served images/s over in-process images/s. Requests go over HTTP, or gRPC with
+``--grpc``; ``--shared-memory`` sends the images
 through system shared memory (the client's cost of sending them left out: what the
 server sustains).
 """
@@ -106,7 +108,7 @@ def main() -> int:
     from bladesmith.cli.args import input_size
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--artifact", help="a .pt2/.pt/.onnx artifact from bladesmith")
+    parser.add_argument("--artifact", help="a .ptc/.pt2/.pt/.onnx artifact from bladesmith")
     parser.add_argument(
         "--trust", action="store_true", help="as bladesmith serve's: run the code it brings"
     )
@@ -115,6 +117,7 @@ def main() -> int:
         "--transport", type=input_size, metavar="HxW", help="a net of negligible compute"
     )
     parser.add_argument("--shared-memory", action="store_true", help="images in shared memory")
+    parser.add_argument("--grpc", action="store_true", help="requests over gRPC (default HTTP)")
     parser.add_argument(
         "--image-dtype", choices=("float32", "uint8"), default="float32", help="served images"
     )
@@ -171,7 +174,7 @@ def main() -> int:
             for level in concurrency:  # printed as they come: a cut-off run keeps them
                 requests = args.requests_at_1 if level == 1 else args.requests
                 [row] = loadtest(
-                    server.url,
+                    server.grpc_url if args.grpc else server.url,
                     "model",
                     concurrency=(level,),
                     requests=requests,
@@ -183,7 +186,8 @@ def main() -> int:
         finally:
             server.stop()
     device = "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    through = "shared memory" if args.shared_memory else "HTTP"
+    protocol = "gRPC" if args.grpc else "HTTP"
+    through = f"shared memory ({protocol})" if args.shared_memory else protocol
     print(
         f"{artifact.name} (batch {batch}), {args.instances} instance(s), {device}, "
         f"{args.image_dtype} images through {through}, {args.client_processes} client "
@@ -208,6 +212,7 @@ def main() -> int:
             "instances": args.instances,
             "device": device,
             "shared_memory": args.shared_memory,
+            "protocol": protocol,
             "image_dtype": args.image_dtype,
             "client_processes": args.client_processes,
             "in_process_images_per_s": round(in_process, 2),

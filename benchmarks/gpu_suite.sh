@@ -8,7 +8,7 @@
 #       [probe-rcnn-compiled]
 #       [probe-serve-batches] [probe-serve-host] [compiled-artifact]
 #       [artifact-MODEL] [artifact-settings] [artifact-tests] [fp8-MODEL] [fp8-tests] [serve-artifact] [bench-serve]
-#       [bench-serve-http|shm|uint8]
+#       [bench-serve-http|grpc|shm|uint8]
 # cuda-tests runs only the tests marked `cuda` (the rest run in CI on the CPU);
 # cuda-ops-tests only those of the custom operators, cuda-families-tests those of the
 # detector families. family-NAME runs bench_families.py
@@ -50,7 +50,7 @@ step() {  # step NAME COMMAND...: run it, log to $out/NAME.log, remember a failu
 serve_artifact() {  # RetinaNet for batch 32, once per machine; the passes its last
     # measured run rejected are left out to keep it short
     step serve-artifact python3 -m bladesmith optimize --device cuda --batch 32 --warmup 3 \
-        --iters 10 --exclude head_packing --exclude cudnn_benchmark --out /tmp/rn32.pt
+        --iters 10 --exclude head_packing --exclude cudnn_benchmark --out /tmp/rn32.ptc
 }
 pytest=(python3 -X faulthandler -m pytest -q -ra -p no:cacheprovider)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | tee "$out/gpu.txt"
@@ -119,19 +119,22 @@ for s in $steps; do
                 --models "${s#fp8-}" --search-iters 10 --json "$out/$s.json" ;;
         probe-serve-batches) step probe-serve-batches python3 benchmarks/probe_serve_batches.py ;;
         probe-serve-host)
-            [ -f /tmp/rn32.pt ] || serve_artifact
-            step probe-serve-host python3 benchmarks/probe_serve_host.py --artifact /tmp/rn32.pt ;;
+            [ -f /tmp/rn32.ptc ] || serve_artifact
+            step probe-serve-host python3 benchmarks/probe_serve_host.py --artifact /tmp/rn32.ptc \
+                --trust ;;
         serve-artifact) serve_artifact ;;
         bench-serve*)  # Triton from the carried wheels (.whl, see benchmarks/README.md)
             [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile \
                 --target /tmp/site .whl/*.whl
             export PYTHONPATH=$PYTHONPATH:/tmp/site
-            [ -f /tmp/rn32.pt ] || serve_artifact
-            serve=(python3 benchmarks/bench_serve.py --artifact /tmp/rn32.pt
+            [ -f /tmp/rn32.ptc ] || serve_artifact
+            serve=(python3 benchmarks/bench_serve.py --artifact /tmp/rn32.ptc --trust
                 --instances ${SERVE_INSTANCES:-2} --concurrency ${SERVE_CONCURRENCY:-1,8,32,128}
                 --max-queue-delay-us ${SERVE_DELAY_US:-2000})
             case $s in bench-serve|bench-serve-http) step bench-serve "${serve[@]}" \
                 --json "$out/bench_serve.json" --log "$out/triton.log" ;; esac
+            case $s in bench-serve|bench-serve-grpc) step bench-serve-grpc "${serve[@]}" \
+                --grpc --image-dtype uint8 --json "$out/bench_serve_grpc.json" ;; esac
             case $s in bench-serve|bench-serve-shm) step bench-serve-shm "${serve[@]}" \
                 --shared-memory --json "$out/bench_serve_shm.json" ;; esac
             case $s in bench-serve|bench-serve-uint8) step bench-serve-uint8 "${serve[@]}" \
