@@ -4,9 +4,9 @@ in one process.
 For each model (random weights; a classifier head drawn at random, since torchvision's
 ViT starts its head at zero and every image would then be class 0): the model as given
 (float32, eager); bladesmith's fp16 result (level o1: fp16, Inductor, a CUDA graph, as
-its report kept them); bladesmith's FP8 result (level o1 with the ``fp8`` pass included,
-judged by top-1 agreement on held-out inputs); and, where torchao is importable, torchao
-by hand as its documentation shows it (bf16, ``quantize_(model,
+its report kept them); bladesmith's FP8 result (level o1 with the ``fp8`` and
+``fp8_static`` passes included, judged by top-1 agreement on held-out inputs); and,
+where torchao is importable, torchao by hand as its documentation shows it (bf16, ``quantize_(model,
 Float8DynamicActivationFloat8WeightConfig())``, ``torch.compile(mode="reduce-overhead")``).
 They run in ``--rounds`` interleaved rounds of ``--iters`` calls; each line gives the
 median of the rounds' median latencies, the speedup over bladesmith's fp16 result (the
@@ -15,7 +15,7 @@ with the model as given over ``--agreement`` batches no optimize saw. Also print
 optimize's report figure for its saved ``.ptc`` reloaded in a new process.
 
     python3 benchmarks/fp8_gpu.py [--models vit_b_16,bert_base] [--rounds 10] [--iters 20]
-        [--agreement 4] [--json out.json]
+        [--agreement 4] [--search-only] [--json out.json]
 
 Models: torchvision ViT-B/16 at 224x224, batch 32 (photographs from skimage, other views
 for agreement); BERT-base (transformers) with a 16-class sequence head, batch 8 x 128
@@ -133,7 +133,10 @@ def compared(name: str, options) -> dict:
     given = copy.deepcopy(model).to(device)
     runs, rows = {"as given": given}, {}
     runs["bladesmith fp16"], rows["bladesmith fp16"] = optimized(model, test_data, (), options)
-    runs["bladesmith fp8"], rows["bladesmith fp8"] = optimized(model, test_data, ("fp8",), options)
+    fp8 = ("fp8", "fp8_static")
+    runs["bladesmith fp8"], rows["bladesmith fp8"] = optimized(model, test_data, fp8, options)
+    if options.search_only:  # the search's own verdicts: each fp8 pass against the best before
+        return {"model": name, "rows": {"bladesmith fp8": rows["bladesmith fp8"]}}
     by_hand, why = torchao_by_hand(given, args)
     if by_hand is not None:
         runs["torchao by hand"] = by_hand
@@ -174,6 +177,11 @@ def main() -> None:
     parser.add_argument("--search-warmup", type=int, default=3)
     parser.add_argument("--search-iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--search-only",
+        action="store_true",
+        help="only the optimize with the fp8 passes, whose records time them",
+    )
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)

@@ -18,7 +18,8 @@
 # (default, max_autotune, freezing) for $ARTIFACT_MODELS (default resnet50_b1),
 # artifact-tests the `cuda` tests of
 # the compiled artifact; fp8-MODEL runs fp8_gpu.py for one model (vit_b_16, bert_base; torchao
-# from the carried wheels where they hold it), fp8-tests the `cuda` tests of the fp8 pass.
+# from the carried wheels where they hold it; options from $FP8_OPTIONS, e.g. --search-only),
+# fp8-tests the `cuda` tests of the fp8 pass.
 # bench-serve* serve with $SERVE_INSTANCES instances
 # (default 2) at the concurrencies $SERVE_CONCURRENCY (default 1,8,32,128), batching
 # requests for up to $SERVE_DELAY_US microseconds (default 2000). probe-rcnn probes
@@ -116,7 +117,7 @@ for s in $steps; do
             [ -d /tmp/site ] || ! ls .whl/*.whl >/dev/null 2>&1 || python3 -m pip install -q \
                 --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
             step "$s" env PYTHONPATH="$PYTHONPATH:/tmp/site" python3 benchmarks/fp8_gpu.py \
-                --models "${s#fp8-}" --search-iters 10 --json "$out/$s.json" ;;
+                --models "${s#fp8-}" --search-iters 10 ${FP8_OPTIONS:-} --json "$out/$s.json" ;;
         probe-serve-batches) step probe-serve-batches python3 benchmarks/probe_serve_batches.py ;;
         probe-serve-host)
             [ -f /tmp/rn32.ptc ] || serve_artifact

@@ -15,7 +15,9 @@ from bladesmith.passes.float8 import (
     E4M3,
     Float8,
     Float8Linear,
+    Float8Static,
     convertible,
+    input_amax,
     layers_to_keep,
     to_float8,
 )
@@ -59,6 +61,52 @@ def test_one_outlier_channel_drowns_the_others_in_a_per_tensor_scale():
     with torch.no_grad():
         linear.weight[:, 0] = 0  # the outlier channel adds nothing to the answer
     assert _relative_error(Float8Linear(linear)(x), linear(x).detach()) > 0.5
+
+
+def test_a_static_float8_linear_scales_by_its_calibrated_range_and_saturates_past_it():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    calibration = torch.randn(32, 64)
+    amax = input_amax(linear, [""], [(calibration,)])[""]
+    assert amax == calibration.abs().max()
+    static = Float8Linear(linear, amax)
+    assert static.input_scale == amax / torch.finfo(E4M3).max
+    x = torch.randn(5, 64)
+    assert 1e-3 < _relative_error(static(x), linear(x).detach()) < 0.08
+    # Past the calibrated range the input saturates, where a dynamic scale would follow it.
+    big = x * 100
+    with torch.no_grad():
+        assert _relative_error(static(big), linear(big)) > 0.5
+        assert _relative_error(Float8Linear(linear)(big), linear(big)) < 0.08
+        saturated = big.clamp(-amax, amax)
+        torch.testing.assert_close(static(big), static(saturated))
+
+
+def test_fp8_static_calibrates_on_the_calibration_inputs_and_compiles():
+    cpu = torch.device("cpu")
+    model = Clusters(width=64).eval()
+    x = model.inputs(32, seed=0)
+    calibration = [(model.inputs(16, seed=seed),) for seed in (5, 6)]
+    context = Context(
+        device=cpu,
+        level="o2",
+        config=Config(),
+        example_args=(x,),
+        calibration=lambda: (calibration, "2 calibration batches"),
+    )
+    result = Float8Static().apply(Candidate(model, cpu), context)
+    assert result.module_passes == ("fp8_static",) and result.runner_passes == ("inductor",)
+    layers = [each for each in result.module.modules() if isinstance(each, Float8Linear)]
+    assert len(layers) == 3 and all(each.input_scale is not None for each in layers)
+    seen = max(float(each[0].abs().max()) for each in calibration)
+    assert float(layers[0].input_scale) == pytest.approx(seen / torch.finfo(E4M3).max)
+    assert "3 Linear layer(s) in float8 e4m3 with their input's scale calibrated on 2 " in (
+        context.notes[-1]
+    )
+    with torch.no_grad():
+        assert 1e-4 < _relative_error(result(x), model(x)) < 0.08
+    kept = Context(device=cpu, level="o2", config=Config(), example_args=(x,), kept=["fp8"])
+    assert Float8Static().skip_reason(Candidate(model, cpu), kept) == "fp8 was kept"
 
 
 def test_fp8_takes_linears_called_as_modules_with_sizes_multiples_of_16():

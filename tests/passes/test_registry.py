@@ -22,6 +22,7 @@ def test_registry_lists_builtin_passes_in_order_and_refuses_duplicates():
         "linear_bf16",
         "inductor",
         "fp8",
+        "fp8_static",
         "fp8_mixed",
         "torchscript",
         "cudnn_benchmark",

@@ -14,7 +14,7 @@ from bladesmith.passes.conv_fusion import ConvFusion
 from bladesmith.passes.cuda_graph import CudaGraph
 from bladesmith.passes.cudnn_benchmark import CudnnBenchmark
 from bladesmith.passes.fixed_shape import FixedShape
-from bladesmith.passes.float8 import Float8, Float8Mixed
+from bladesmith.passes.float8 import Float8, Float8Mixed, Float8Static
 from bladesmith.passes.head_packing import HeadPacking
 from bladesmith.passes.inductor import Inductor
 from bladesmith.passes.norm_folding import NormFolding
@@ -41,6 +41,7 @@ ORDER = (
     LinearBFloat16,
     Inductor,
     Float8,
+    Float8Static,
     Float8Mixed,
     TorchScriptFreeze,
     CudnnBenchmark,

@@ -50,13 +50,20 @@ def _scale_of(amax: torch.Tensor) -> torch.Tensor:
 def to_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` as e4m3 values and the scale (a float32 scalar) that gives it back."""
     scale = _scale_of(x.detach().abs().amax())
-    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+    return _scaled(x, scale), scale
+
+
+def _scaled(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` in e4m3, saturated at its largest value."""
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 class Float8Linear(nn.Module):
-    """``linear`` with an e4m3 weight (one scale) and its input cast to e4m3 at each call."""
+    """``linear`` with an e4m3 weight (one scale) and its input cast to e4m3 at each call:
+    scaled by its own absolute maximum, or by ``input_amax`` (static: calibrated once;
+    larger inputs saturate)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, input_amax: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight, scale = to_e4m3(linear.weight.detach())
@@ -65,10 +72,15 @@ class Float8Linear(nn.Module):
         self.register_buffer("weight_scale", scale)
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        static = None if input_amax is None else _scale_of(input_amax).to(weight.device)
+        self.register_buffer("input_scale", static)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        values, scale = to_e4m3(rows)
+        if self.input_scale is None:
+            values, scale = to_e4m3(rows)
+        else:  # no reduction over the input: Inductor fuses the cast into the layer before
+            values, scale = _scaled(rows, self.input_scale), self.input_scale
         bias = None if self.bias is None else self.bias.to(x.dtype)
         out = torch._scaled_mm(
             values,
@@ -81,7 +93,8 @@ class Float8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3"
+        scaling = "dynamic" if self.input_scale is None else "static"
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3, {scaling}"
 
 
 def convertible(module: nn.Module) -> list[str]:
@@ -104,14 +117,41 @@ def convertible(module: nn.Module) -> list[str]:
     ]
 
 
-def to_float8(module: nn.Module, names: list[str]) -> nn.Module:
-    """A copy of ``module`` with the Linear layers ``names`` as ``Float8Linear``."""
+def to_float8(
+    module: nn.Module, names: list[str], input_amax: dict[str, torch.Tensor] | None = None
+) -> nn.Module:
+    """A copy of ``module`` with the Linear layers ``names`` as ``Float8Linear``, static
+    where ``input_amax`` gives the layer's input's absolute maximum."""
     module = copy.deepcopy(module)
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name)
-        setattr(parent, child, Float8Linear(getattr(parent, child)))
+        amax = (input_amax or {}).get(name)
+        setattr(parent, child, Float8Linear(getattr(parent, child), amax))
     return module
+
+
+def input_amax(module: nn.Module, names: list[str], calls: list[tuple]) -> dict:
+    """The absolute maximum of the input of each layer of ``names`` over ``calls``; a
+    layer that none of them reaches is absent."""
+    found: dict[str, torch.Tensor] = {}
+
+    def recorder(name: str):
+        def record(_, args):
+            amax = args[0].detach().abs().amax().float()
+            found[name] = torch.maximum(found[name], amax) if name in found else amax
+
+        return record
+
+    hooks = [module.get_submodule(each).register_forward_pre_hook(recorder(each)) for each in names]
+    try:
+        with torch.no_grad():
+            for each in calls:
+                module(*each)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found
 
 
 class Float8(Pass):
@@ -147,10 +187,36 @@ class Float8(Pass):
         return in_float8(candidate, names, self.name, context)
 
 
-def in_float8(candidate: Candidate, names: list[str], name: str, context: Context) -> Candidate:
-    """``candidate`` with the Linear layers ``names`` in FP8 (pass ``name``), compiled."""
-    module = to_float8(candidate.module, names)
+def in_float8(
+    candidate: Candidate, names: list[str], name: str, context: Context, amax=None
+) -> Candidate:
+    """``candidate`` with the Linear layers ``names`` in FP8 (pass ``name``; static
+    where ``amax`` gives their inputs' range), compiled."""
+    module = to_float8(candidate.module, names, amax)
     return compiled(candidate.with_module(module, name, precision=precisions.FLOAT8), context)
+
+
+class Float8Static(Float8):
+    """fp8 with each input's scale calibrated once, where fp8 was not kept (o2): no
+    reduction over the input at each call."""
+
+    name = "fp8_static"
+
+    def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
+        if Float8.name in context.kept:
+            return f"{Float8.name} was kept"
+        return super().skip_reason(candidate, context)
+
+    def apply(self, candidate: Candidate, context: Context) -> Candidate:
+        calls, how = context.calibration_calls(candidate)
+        names = convertible(candidate.module)
+        amax = input_amax(candidate.module, names, calls)
+        context.notes.append(
+            f"{self.name}: {len(amax)} Linear layer(s) in float8 e4m3 with their input's "
+            f"scale calibrated on {how}, {len(names) - len(amax)} scaled at each call "
+            "(no calibration input reached them), compiled by Inductor"
+        )
+        return in_float8(candidate, names, self.name, context, amax)
 
 
 class Float8Mixed(Float8):
@@ -159,8 +225,9 @@ class Float8Mixed(Float8):
     name = "fp8_mixed"
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
-        if Float8.name in context.kept:
-            return f"{Float8.name} was kept: every layer holds the metric in float8"
+        for each in (Float8.name, Float8Static.name):
+            if each in context.kept:
+                return f"{each} was kept: every layer holds the metric in float8"
         return super().skip_reason(candidate, context)
 
     def apply(self, candidate: Candidate, context: Context) -> Candidate:
