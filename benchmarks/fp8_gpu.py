@@ -132,11 +132,12 @@ def compared(name: str, options) -> dict:
     args = on_device(test_data[0])
     given = copy.deepcopy(model).to(device)
     runs, rows = {"as given": given}, {}
-    runs["bladesmith fp16"], rows["bladesmith fp16"] = optimized(model, test_data, (), options)
     fp8 = ("fp8", "fp8_static")
-    runs["bladesmith fp8"], rows["bladesmith fp8"] = optimized(model, test_data, fp8, options)
     if options.search_only:  # the search's own verdicts: each fp8 pass against the best before
-        return {"model": name, "rows": {"bladesmith fp8": rows["bladesmith fp8"]}}
+        _, row = optimized(model, test_data, fp8, options)
+        return {"model": name, "rows": {"bladesmith fp8": row}}
+    runs["bladesmith fp16"], rows["bladesmith fp16"] = optimized(model, test_data, (), options)
+    runs["bladesmith fp8"], rows["bladesmith fp8"] = optimized(model, test_data, fp8, options)
     by_hand, why = torchao_by_hand(given, args)
     if by_hand is not None:
         runs["torchao by hand"] = by_hand
