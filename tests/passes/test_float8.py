@@ -100,8 +100,9 @@ def test_fp8_static_calibrates_on_the_calibration_inputs_and_compiles():
     assert len(layers) == 3 and all(each.input_scale is not None for each in layers)
     seen = max(float(each[0].abs().max()) for each in calibration)
     assert float(layers[0].input_scale) == pytest.approx(seen / torch.finfo(E4M3).max)
-    assert "3 Linear layer(s) in float8 e4m3 with their input's scale calibrated on 2 " in (
-        context.notes[-1]
+    assert (
+        "3 Linear layer(s) in float8 e4m3 with their input's scale calibrated on 2 "
+        in (context.notes[-1])
     )
     with torch.no_grad():
         assert 1e-4 < _relative_error(result(x), model(x)) < 0.08

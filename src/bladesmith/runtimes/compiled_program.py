@@ -28,9 +28,11 @@ recorded SHA-256 is refused; a file without ``inductor.bin`` compiles again, say
 
 Freezing (``inductor_configs={"freezing": True}``) folds the weights into the kernels as
 constants; torch's caches skip frozen graphs (``fxgraph_cache_bypass``), so a frozen
-``.ptc`` carries no compiled code and compiles at every load: off by default, recorded
-when on. ``max_autotune`` is recorded and given to the compile at load, whose autotuning
-results the cache carries.
+``.ptc`` carries no compiled code and compiles at every load. By default a result is
+saved as its inductor pass timed it: frozen on a CPU (unfrozen, ResNet-50's file ran at
+0.57x of the result there), unfrozen on a GPU (where freezing changed nothing
+measurable). ``max_autotune`` is recorded and given to the compile at load, whose
+autotuning results the cache carries.
 
 What Inductor compiled is kept in ``$BLADESMITH_CACHE/compiled`` by the hash of the
 programs, the settings and the software and device it was compiled with: a second save of
