@@ -174,7 +174,7 @@ def test_on_a_cpu_the_ptc_is_frozen_as_the_pass_timed_it(saved, tmp_path, capsys
     assert not recorded["compiled_code"] and "inductor.bin" not in recorded["sha256"]
     capsys.readouterr()
     loaded = bladesmith.load(frozen, trust=True)
-    assert "it holds no compiled code (freezing" in capsys.readouterr().err
+    assert "it holds no compiled code (frozen" in capsys.readouterr().err
     torch.testing.assert_close(loaded(x), expected, rtol=1e-4, atol=1e-5)
     reload_in_new_process(frozen, (x,), expected, tmp_path)
 

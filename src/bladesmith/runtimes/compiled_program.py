@@ -345,7 +345,7 @@ def _load_compiled_code(path: Path, saved: dict, blob: bytes | None, kernels: di
     built = {k: saved[k] for k in ("torch", "triton", "device")}
     why = None
     if not saved["compiled_code"]:
-        why = "it holds no compiled code (freezing: torch's caches skip frozen graphs)"
+        why = "it holds no compiled code (frozen: torch's caches skip frozen graphs)"
     elif built != here:
         changed = [f"{k} {built[k]} there, {here[k]} here" for k in built if built[k] != here[k]]
         why = f"it was compiled elsewhere ({'; '.join(changed)})"
@@ -358,7 +358,7 @@ def _load_compiled_code(path: Path, saved: dict, blob: bytes | None, kernels: di
     if why:
         print(
             f"bladesmith: {str(path)!r}: {why}: Inductor compiles its programs again on the "
-            "first call (minutes)",
+            "first call (seconds to minutes)",
             file=sys.stderr,
         )
 
