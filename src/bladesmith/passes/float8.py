@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.inductor import Inductor, compiled
+from bladesmith.passes.layer_inputs import watch_inputs
 from bladesmith.passes.registry import Context, Pass, PassSkipped
 from bladesmith.verify import precisions, task_metric
 
@@ -137,22 +138,13 @@ def input_amax(module: nn.Module, names: list[str], calls: list[tuple]) -> dict:
     """The absolute maximum of the input of each layer of ``names`` over ``calls``; a
     layer that none of them reaches is absent."""
     found: dict[str, torch.Tensor] = {}
+    named = {module.get_submodule(name): name for name in names}
 
-    def recorder(name: str):
-        def record(_, args):
-            amax = args[0].detach().abs().amax().float()
-            found[name] = torch.maximum(found[name], amax) if name in found else amax
+    def record(layer, args):
+        name, amax = named[layer], args[0].detach().abs().amax().float()
+        found[name] = torch.maximum(found[name], amax) if name in found else amax
 
-        return record
-
-    hooks = [module.get_submodule(each).register_forward_pre_hook(recorder(each)) for each in names]
-    try:
-        with torch.no_grad():
-            for each in calls:
-                module(*each)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    watch_inputs(module, named, calls, record)
     return found
 
 

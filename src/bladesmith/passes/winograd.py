@@ -38,6 +38,7 @@ from bladesmith.convs import (
 from bladesmith.ops import exporting
 from bladesmith.ops.build import unavailable
 from bladesmith.passes.candidate import Candidate
+from bladesmith.passes.layer_inputs import watch_inputs
 from bladesmith.passes.registry import Context, Pass, PassSkipped
 
 # The operator must run a convolution alone this much faster than oneDNN, and save this
@@ -128,18 +129,8 @@ def _input_sizes(module: nn.Module, test_args: list[tuple]) -> list[tuple[nn.Con
         if args[0].dtype == torch.float32 and shape not in seen[conv]:
             seen[conv].append(shape)
 
-    hooks = []
-    for conv in module.modules():
-        if eligible(conv):
-            seen[conv] = []
-            hooks.append(conv.register_forward_pre_hook(record))
-    try:
-        with torch.no_grad():
-            for args in test_args:
-                module(*args)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    seen.update((conv, []) for conv in module.modules() if eligible(conv))
+    watch_inputs(module, list(seen), test_args, record)
     return [(conv, shapes) for conv, shapes in seen.items() if shapes]
 
 
