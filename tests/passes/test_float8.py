@@ -22,6 +22,7 @@ from bladesmith.passes.float8 import (
     to_float8,
 )
 from bladesmith.passes.inductor import Inductor
+from bladesmith.passes.projected_attention import ProjectedAttention
 from bladesmith.passes.registry import Context, PassSkipped
 from engine_testing import Wasteful, cuda
 from test_reload import reload_in_new_process
@@ -110,9 +111,10 @@ def test_fp8_static_calibrates_on_the_calibration_inputs_and_compiles():
     assert Float8Static().skip_reason(Candidate(model, cpu), kept) == "fp8 was kept"
 
 
-def test_fp8_takes_linears_called_as_modules_with_sizes_multiples_of_16():
-    """torchvision's ViT: its MLPs' Linears, not the attention's projections (whose weight
-    nn.MultiheadAttention reads itself) nor a head of 10 classes."""
+def test_fp8_takes_linears_with_sizes_multiples_of_16_and_the_attentions_projections():
+    """torchvision's ViT: its MLPs' Linears and its attention's projections (once
+    nn.MultiheadAttention, which reads their weights itself, is projected), not a head of
+    10 classes."""
     torch.manual_seed(0)
     vit = torchvision.models.VisionTransformer(
         image_size=32,
@@ -125,11 +127,19 @@ def test_fp8_takes_linears_called_as_modules_with_sizes_multiples_of_16():
     ).eval()
     nn.init.normal_(vit.heads.head.weight)  # torchvision starts it at zero
     names = convertible(vit)
-    assert names == [f"encoder.layers.encoder_layer_{i}.mlp.{j}" for i in (0, 1) for j in (0, 3)]
+    layers = [f"encoder.layers.encoder_layer_{i}" for i in (0, 1)]
+    mlps = [f"{layer}.mlp.{j}" for layer in layers for j in (0, 3)]
+    projections = [f"{layer}.self_attention.{j}_proj" for layer in layers for j in ("in", "out")]
+    assert names == mlps + projections
     converted = to_float8(vit, names)
     assert isinstance(converted.encoder.layers[0].mlp[0], Float8Linear)
+    attention = converted.encoder.layers[1].self_attention
+    assert isinstance(attention, ProjectedAttention)
+    assert isinstance(attention.in_proj, Float8Linear) and attention.in_proj.out_features == 192
     assert isinstance(vit.encoder.layers[0].mlp[0], nn.Linear)  # the input untouched
+    assert isinstance(vit.encoder.layers[0].self_attention, nn.MultiheadAttention)
     x = torch.rand(4, 3, 32, 32)
+    assert set(input_amax(vit, names, [(x,)])) == set(names)  # every one reached
     with torch.no_grad():
         assert 1e-4 < _relative_error(converted(x), vit(x)) < 0.1
 

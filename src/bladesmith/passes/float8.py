@@ -7,10 +7,12 @@ to e4m3, and the product run by ``torch._scaled_mm`` into the input's dtype, bia
 there. Run eagerly, that scaling costs more than FP8 saves (0.44x of fp16 on an H100), so
 the pass runs after ``inductor`` and compiles its module as that pass does: Inductor
 fuses each input's scaling into the layer before it, and the result, timed against the
-best so far (compiled where Inductor was kept), saves as a ``.ptc``. Layers that call
-their weight themselves rather than calling the module (``nn.MultiheadAttention``'s
-projections) and everything that is not a Linear (the user's and bladesmith's operators
-among it) stay as they are.
+best so far (compiled where Inductor was kept), saves as a ``.ptc``. An
+``nn.MultiheadAttention``, which reads its projections' weights itself, first becomes a
+``ProjectedAttention`` (the same self-attention with its projections as Linear layers), so
+that its projections, about a third of a transformer's matrix work, run in FP8 too.
+Everything that is not a Linear (the user's and bladesmith's operators among it) stays as
+it is.
 
 e4m3 keeps 3 mantissa bits: outputs move by far more than rounding, so the result
 computes in ``precisions.FLOAT8`` and is judged by the task's metric on held-out inputs
@@ -25,8 +27,6 @@ no reduction over the input at each call (on an H100 the dynamic form ran ViT-B/
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 from bladesmith.passes.candidate import Candidate
 from bladesmith.passes.inductor import Inductor, compiled
 from bladesmith.passes.layer_inputs import watch_inputs
+from bladesmith.passes.projected_attention import attention_names, with_projected_attention
 from bladesmith.passes.registry import Context, Pass, PassSkipped
 from bladesmith.verify import precisions, task_metric
 
@@ -101,8 +102,9 @@ class Float8Linear(nn.Module):
 
 
 def convertible(module: nn.Module) -> list[str]:
-    """The names of ``module``'s Linear layers that FP8 takes: sizes multiples of 16,
-    called as modules (not inside an ``nn.MultiheadAttention``, which reads their weight)."""
+    """The names of the Linear layers that FP8 takes in ``module`` with its attention
+    projected (``with_projected_attention``): sizes multiples of 16, called as modules
+    (not inside an ``nn.MultiheadAttention``, which reads their weight)."""
     inside_attention = {
         f"{name}.{child}" if name else child
         for name, each in module.named_modules()
@@ -110,22 +112,30 @@ def convertible(module: nn.Module) -> list[str]:
         for child, _ in each.named_modules()
         if child
     }
-    return [
-        name
+    sizes = {
+        name: (each.in_features, each.out_features)
         for name, each in module.named_modules()
         if type(each) in (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
         and name not in inside_attention
-        and each.in_features % _ALIGN == 0
-        and each.out_features % _ALIGN == 0
+    }
+    for name in attention_names(module):  # in_proj packs the queries, keys and values
+        width = module.get_submodule(name).embed_dim
+        prefix = f"{name}." if name else ""
+        sizes |= {f"{prefix}in_proj": (width, 3 * width), f"{prefix}out_proj": (width, width)}
+    return [
+        name
+        for name, (inputs, outputs) in sizes.items()
+        if inputs % _ALIGN == 0 and outputs % _ALIGN == 0
     ]
 
 
 def to_float8(
     module: nn.Module, names: list[str], input_amax: dict[str, torch.Tensor] | None = None
 ) -> nn.Module:
-    """A copy of ``module`` with the Linear layers ``names`` as ``Float8Linear``, static
-    where ``input_amax`` gives the layer's input's absolute maximum."""
-    module = copy.deepcopy(module)
+    """A copy of ``module`` with its attention projected and the Linear layers ``names``
+    as ``Float8Linear``, static where ``input_amax`` gives the layer's input's absolute
+    maximum."""
+    module = with_projected_attention(module)
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name)
@@ -138,6 +148,7 @@ def input_amax(module: nn.Module, names: list[str], calls: list[tuple]) -> dict:
     """The absolute maximum of the input of each layer of ``names`` over ``calls``; a
     layer that none of them reaches is absent."""
     found: dict[str, torch.Tensor] = {}
+    module = with_projected_attention(module)
     named = {module.get_submodule(name): name for name in names}
 
     def record(layer, args):
