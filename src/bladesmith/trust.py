@@ -15,9 +15,12 @@ from bladesmith.errors import BladesmithError
 
 FLAG = "--trust"
 HOW = f"pass {FLAG} (Python: trust=True)"
-# ``trust`` without the notice: for a file this process has just written, or one whose
-# trust the process that started this one has already announced.
+# ``trust`` without the notice: for a file whose trust the process that started this one
+# has already announced.
 QUIET = "quiet"
+# ``trust`` without any notice of loading (the trust, a program that compiles again): for
+# a file this process has just written to check it, under a name the user never sees.
+WRITTEN_HERE = "written here"
 
 
 class UntrustedFileError(BladesmithError):
@@ -29,11 +32,11 @@ def require(
 ) -> None:
     """Refuse ``path`` in one line unless ``trust``: loading it runs ``what_runs`` (a
     phrase: "the native library .libs/x.so"); when trusted, say so on stderr first
-    (unless ``trust`` is ``QUIET``)."""
+    (unless ``trust`` is ``QUIET`` or ``WRITTEN_HERE``)."""
     if not trust:
         raise UntrustedFileError(
             f"{source}: {str(path)!r} would run {what_runs}, which its maker wrote: refused; "
             f"if you trust who made this file, {HOW}"
         )
-    if trust != QUIET:
+    if trust not in (QUIET, WRITTEN_HERE):
         print(f"bladesmith: trusting {str(path)!r}: running {what_runs}", file=sys.stderr)

@@ -20,7 +20,7 @@ from bladesmith.errors import BladesmithError
 from bladesmith.passes.fixed_shape import FixedShape
 from bladesmith.passes.inductor import Inductor
 from bladesmith.runtimes import compiled_program
-from bladesmith.trust import UntrustedFileError
+from bladesmith.trust import WRITTEN_HERE, UntrustedFileError
 from engine_testing import Wasteful, conv_net, cuda
 from test_reload import reload_in_new_process
 
@@ -176,6 +176,9 @@ def test_on_a_cpu_the_ptc_is_frozen_as_the_pass_timed_it(saved, tmp_path, capsys
     loaded = bladesmith.load(frozen, trust=True)
     assert "it holds no compiled code (frozen" in capsys.readouterr().err
     torch.testing.assert_close(loaded(x), expected, rtol=1e-4, atol=1e-5)
+    # optimize's own check of the file it wrote says nothing of a name the user never sees
+    bladesmith.load(frozen, trust=WRITTEN_HERE)
+    assert capsys.readouterr().err == ""
     reload_in_new_process(frozen, (x,), expected, tmp_path)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from bladesmith.artifact import OptimizedModule, load, write
 from bladesmith.errors import describe
-from bladesmith.trust import QUIET
+from bladesmith.trust import WRITTEN_HERE
 
 
 def try_formats(
@@ -33,7 +33,7 @@ def try_formats(
                 write(optimized, path)
                 if built is not None:
                     built[suffix] = time.perf_counter() - start
-                loaded = load(path, trust=QUIET)
+                loaded = load(path, trust=WRITTEN_HERE)
                 outputs = [loaded(*args) for args in test_args]
             except Exception as error:  # torch's messages may start on a new line
                 refused[suffix] = f"saving it and loading it back failed ({describe(error)})"

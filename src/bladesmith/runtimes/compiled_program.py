@@ -61,7 +61,7 @@ from bladesmith.progress import Progress
 from bladesmith.runtimes import aoti, pt2_archive
 from bladesmith.runtimes.built_for import BuiltFor, describe_tensors, signature, tensors_in
 from bladesmith.runtimes.format import Format
-from bladesmith.trust import require
+from bladesmith.trust import WRITTEN_HERE, require
 
 SUFFIX = ".ptc"
 _PROGRAM = "program_{}.pt2"
@@ -323,7 +323,7 @@ def read(path: Path, info: dict, trust: bool = False) -> dict[BuiltFor, Callable
             f"it was compiled for {saved['device']} and this machine has no CUDA device"
         )
     kernels = {m[len(_KERNELS) :]: data for m, data in members.items() if m.startswith(_KERNELS)}
-    _load_compiled_code(path, saved, members.get(_COMPILED), kernels, device)
+    _load_compiled_code(path, saved, members.get(_COMPILED), kernels, device, trust)
     why = info["inputs"]["why"]
     runs = {}
     for model in info["models"]:
@@ -337,10 +337,13 @@ def read(path: Path, info: dict, trust: bool = False) -> dict[BuiltFor, Callable
     return runs
 
 
-def _load_compiled_code(path: Path, saved: dict, blob: bytes | None, kernels: dict, device):
+def _load_compiled_code(
+    path: Path, saved: dict, blob: bytes | None, kernels: dict, device, trust
+) -> None:
     """Inductor's caches filled from ``blob`` and ``kernels`` (the C++ kernels' libraries,
     put in its cache folder where they are not); where they cannot serve, one line on
-    stderr saying that the programs compile again, and why."""
+    stderr saying that the programs compile again, and why (unless ``trust`` is
+    ``WRITTEN_HERE``)."""
     here = environment(device)
     built = {k: saved[k] for k in ("torch", "triton", "device")}
     why = None
@@ -355,7 +358,7 @@ def _load_compiled_code(path: Path, saved: dict, blob: bytes | None, kernels: di
         why = f"its {_COMPILED} did not load"
     else:
         _place_kernels(kernels)
-    if why:
+    if why and trust != WRITTEN_HERE:
         print(
             f"bladesmith: {str(path)!r}: {why}: Inductor compiles its programs again on the "
             "first call (seconds to minutes)",
