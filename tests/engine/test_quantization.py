@@ -295,3 +295,15 @@ def test_the_layers_int8_breaks_are_kept_in_float_and_named(photos):
     # The outlier's layer (0) or the one it feeds (2) is named; not every layer is.
     assert "0 (Convolution)" in note or "2 (Convolution)" in note, note
     assert "4 (Convolution)" not in note, note
+
+
+def test_accuracy_controls_skip_line_states_the_verdict_over_all_calibration_calls():
+    """NNCF validates subsets too: the line names the last verdict over every call."""
+    from bladesmith.passes.openvino_int8 import _on_all_calls
+
+    def verdict(value, count):
+        return task_metric.MetricVerdict("top-1 agreement", value, 1.0, 0.99, count)
+
+    line = _on_all_calls([verdict(1.0, 64), "not judged", verdict(0.995, 64), verdict(0.5, 2)])
+    assert "0.995" in line and "over 64 items" in line, line
+    assert _on_all_calls(["not judged"]) == ""

@@ -131,7 +131,7 @@ class OpenVinoInt8Mixed(OpenVinoInt8):
         if not kept_float:
             raise PassSkipped(
                 "NNCF's accuracy control returned every layer in INT8 on the calibration "
-                f"inputs{_last(verdicts)}: nothing to keep in float"
+                f"inputs{_on_all_calls(verdicts)}: nothing to keep in float"
             )
         context.notes.append(
             f"{self.name}: {len(kept_float)} layer(s) kept in float to hold the metric "
@@ -155,9 +155,13 @@ def _max_drop(config) -> float:
     return config.max_drop if config.max_drop is not None else task_metric.TOP1_MAX_DROP
 
 
-def _last(verdicts: list) -> str:
-    last = verdicts[-1] if verdicts else None
-    return f" ({last.line})" if last is not None and not isinstance(last, str) else ""
+def _on_all_calls(verdicts: list) -> str:
+    """The last verdict over all the calibration inputs (NNCF also validates subsets:
+    the last one may count a single call)."""
+    judged = [each for each in verdicts if not isinstance(each, str)]
+    widest = max((each.count for each in judged), default=0)
+    last = next((each for each in reversed(judged) if each.count == widest), None)
+    return f" ({last.line})" if last is not None else ""
 
 
 def _quantized_ops(model) -> set[str]:
