@@ -4,8 +4,9 @@ in one process.
 For each model (random weights; a classifier head drawn at random, since torchvision's
 ViT starts its head at zero and every image would then be class 0): the model as given
 (float32, eager); bladesmith's fp16 result (level o1: fp16, Inductor, a CUDA graph, as
-its report kept them); bladesmith's FP8 result (level o1 with the ``fp8`` and
-``fp8_static`` passes included, judged by top-1 agreement on held-out inputs); and,
+its report kept them); bladesmith's FP8 result (level o1 with the ``fp8``,
+``fp8_static`` and ``fp8_mixed`` passes included, judged by top-1 agreement on held-out
+inputs); and,
 where torchao is importable, torchao by hand as its documentation shows it (bf16, ``quantize_(model,
 Float8DynamicActivationFloat8WeightConfig())``, ``torch.compile(mode="reduce-overhead")``).
 They run in ``--rounds`` interleaved rounds of ``--iters`` calls; each line gives the
@@ -152,7 +153,7 @@ def compared(name: str, options) -> dict:
     args = on_device(test_data[0])
     given = copy.deepcopy(model).to(device)
     runs, rows = {"as given": given}, {}
-    fp8 = ("fp8", "fp8_static")
+    fp8 = ("fp8", "fp8_static", "fp8_mixed")
     if options.search_only:  # the search's own verdicts: each fp8 pass against the best before
         _, row = optimized(model, test_data, fp8, options)
         return {"model": name, "rows": {"bladesmith fp8": row}}
