@@ -313,7 +313,7 @@ def test_answers_are_compressed_only_when_the_client_asks(server):
 
 
 def test_the_limit_is_the_models_inputs_times_its_max_batch_or_the_flags(server, capsys):
-    from bladesmith.serve.front import UNBOUNDED_LIMIT, models_of
+    from bladesmith.serve.request_checks import UNBOUNDED_LIMIT, models_of
 
     [model] = models_of(server.repository, None).values()
     assert (model.limit, model.max_batch) == (MAX_BATCH * ROW_BYTES, MAX_BATCH)

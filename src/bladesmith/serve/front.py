@@ -5,28 +5,17 @@ user's alone); this process listens on the HTTP and gRPC ports. It is an allowli
 a filter: it forwards the routes it knows, each rebuilt from what it checked, and
 answers everything else itself.
 
-- Routes. HTTP: health (live, ready), server and model metadata, model ready, config
-  and statistics, inference of the served models; gRPC: the same methods. The path is
-  read as sent and must already be canonical: segments of letters, digits, ``_``, ``-``
-  and ``.`` (not first), no ``%``, ``//``, ``.``/``..`` segment, trailing ``/`` or
-  query (else 400); an unknown path is 404, a known one with another method 405, an
-  unknown gRPC method UNIMPLEMENTED, a model this server does not serve 404 / NOT_FOUND.
-  tritonserver's generate, logging, trace and repository APIs are never reached.
-- Inference. The request (JSON header: strict, no key twice, no NaN; gRPC: protobuf)
-  names the model's inputs, each in its dtype and shape with a batch up to the model's,
-  its outputs by name and known parameters only, and declares at most the model's
-  limit of tensor bytes (its signature times its max batch, or ``--max-request-bytes``);
-  its body holds what it declares. tritonserver receives the request as the front
-  re-encodes it from what it checked (so both read the same request; JSON tensor data
-  as binary data), never the bytes sent. Triton 2.51 allocates what an HTTP/JSON
-  request declares before it reads the data (100 bytes declaring 16 GiB ended it) and
-  has no input-size limit of its own.
+- Routes (``routes``): the HTTP paths (read as sent, canonical) and gRPC methods it
+  knows, for the models it serves; tritonserver's generate, logging, trace and
+  repository APIs are never reached.
+- Inference (``request_checks``): a request for a served model, of its inputs, outputs
+  and known parameters, declaring at most the model's limit of tensor bytes, its body
+  holding what it declares; tritonserver receives it as the front re-encodes it from
+  what it checked, never the bytes sent.
 - Shared memory (registering regions, their status, requests naming them) is refused
   unless the server was started with ``--shared-memory``, and then served only to
-  connections of the serving user: their owner is read from the kernel's socket table
-  (``/proc/net/tcp``). A system region registered must be a file of /dev/shm that is the
-  serving user's alone (owner, mode 0600), holds the bytes named and is not one of the
-  Python backend's own.
+  connections of the serving user, for regions that are the serving user's alone
+  (``shared_memory_owners``).
 - Bounds. A body larger than the limit allows is refused from its Content-Length,
   unread; request bodies being received at once are bounded in total (429 /
   RESOURCE_EXHAUSTED past it); each port takes a bounded number of connections (more
@@ -39,52 +28,56 @@ answers everything else itself.
   of the client's (the answers' compression excepted: none unless the client asks).
 
 Run as a script (``python front.py CONFIG``, which ``Server`` does), it imports neither
-torch nor bladesmith. CONFIG (JSON) names the ports, the sockets, the repository whose
-``config.pbtxt`` files give the models' inputs and outputs, the limit, whether shared
-memory is served, the header that opens it and the Python backend's region prefix.
+torch nor bladesmith: its modules above come from its folder, without bladesmith's
+packages (whose ``__init__`` would import torch). CONFIG (JSON) names the ports, the
+sockets, the repository whose ``config.pbtxt`` files give the models' inputs and outputs,
+the limit, whether shared memory is served, the header that opens it and the Python
+backend's region prefix.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
-import math
 import os
 import re
 import resource
 import signal
-import stat
 import sys
 import time
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
-# Bytes per element; BYTES elements hold at least one byte each.
-ITEM_BYTES = {
-    "BOOL": 1, "UINT8": 1, "INT8": 1, "UINT16": 2, "INT16": 2, "FP16": 2, "BF16": 2,
-    "UINT32": 4, "INT32": 4, "FP32": 4, "UINT64": 8, "INT64": 8, "FP64": 8, "BYTES": 1,
-}  # fmt: skip
-# The values each integer datatype holds: [low, high].
-INT_RANGES = {
-    **{f"INT{bits}": (-(1 << bits - 1), (1 << bits - 1) - 1) for bits in (8, 16, 32, 64)},
-    **{f"UINT{bits}": (0, (1 << bits) - 1) for bits in (8, 16, 32, 64)},
-}
-FLOAT_MAX = sys.float_info.max
-# The datatypes whose JSON values the front sends on as binary data (little-endian, as
-# Triton's binary extension takes them).
-NUMPY_TYPES = {
-    "BOOL": "?", "UINT8": "u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8",
-    "INT8": "i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8",
-    "FP16": "<f2", "FP32": "<f4", "FP64": "<f8",
-}  # fmt: skip
-# A model whose config leaves a size free (-1) has no limit of its own: this one.
-UNBOUNDED_LIMIT = 64 << 20
-# Room for a request's JSON header; JSON text holds a number in at most this many times
-# its bytes ("-1.2345678901234567e-308,": 25 characters for a float64's 8 bytes).
-HEADER_ROOM = 64 << 10
-JSON_PER_BYTE = 32
+if __name__ == "__main__" and "bladesmith" not in sys.modules:
+    # Run as a script: bladesmith and bladesmith.serve as bare packages of their folders,
+    # so that the front's modules below are imported without running their __init__.
+    import types
+
+    _serve = Path(__file__).resolve().parent
+    for _name, _folder in (("bladesmith", _serve.parent), ("bladesmith.serve", _serve)):
+        sys.modules[_name] = types.ModuleType(_name)
+        sys.modules[_name].__path__ = [str(_folder)]
+
+from bladesmith.serve.request_checks import (  # noqa: E402
+    HEADER_ROOM,
+    JSON_PER_BYTE,
+    Model,
+    Refused,
+    as_binary,
+    check_grpc_infer,
+    check_http_infer,
+    check_keys,
+    models_of,
+    strict_json,
+)
+from bladesmith.serve.routes import (  # noqa: E402
+    GRPC_METHODS,
+    answer_encoding,
+    http_route,
+    served_names,
+)
+from bladesmith.serve.shared_memory_owners import check_region, connection_owner  # noqa: E402
+
 # A connection that sends no (complete) request for this long is closed, before its
 # first request and between requests; gRPC's likewise (its handshake, then idle).
 IDLE_S = 10.0
@@ -114,544 +107,10 @@ UPSTREAM_CONNECTIONS = 64  # to tritonserver's HTTP socket
 # (which tritonserver, still running, answers or refuses) within this; then it exits.
 STOP_GRACE_S = 5.0
 SHUTTING_DOWN = "the server is shutting down; send the request again, to another server"
-# Where a request names a shared-memory region.
-SHARED_MEMORY_PARAMETERS = (
-    "shared_memory_region",
-    "shared_memory_byte_size",
-    "shared_memory_offset",
-)
-# The parameters a request may carry (Triton's; others are refused), and their kinds.
-REQUEST_PARAMETERS = {"binary_data_output": bool, "priority": int, "timeout": int}
-INPUT_PARAMETERS = {"binary_data_size": int, "shared_memory_region": str,
-                    "shared_memory_byte_size": int, "shared_memory_offset": int}  # fmt: skip
-OUTPUT_PARAMETERS = {"binary_data": bool, "classification": int, "shared_memory_region": str,
-                     "shared_memory_byte_size": int, "shared_memory_offset": int}  # fmt: skip
-LARGEST_PARAMETER = (1 << 63) - 1
-MAX_ID = 256  # characters of a request's id
 # gRPC metadata passed on: how a stream reports errors (Triton's switch).
 GRPC_METADATA = ("triton_grpc_error",)
-
-# A model, version or region name as it may appear in a path (Triton's model names are
-# these; see repository.check_model_name).
-_NAME = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
-_CANONICAL = re.compile(r"(?:/[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}){1,8}")
-_MODEL = rf"/v2/models/(?P<model>{_NAME})(?:/versions/(?P<version>[1-9][0-9]{{0,17}}))?"
-_SHARED = r"/v2/(?:system|cuda)sharedmemory"
-# (path, method, kind): what the front forwards, and how it checks it.
-HTTP_ROUTES = [
-    (re.compile(pattern), method, kind)
-    for pattern, method, kind in (
-        (r"/v2/health/(?:live|ready)", "GET", "plain"),
-        (r"/v2", "GET", "plain"),
-        (r"/v2/models/stats", "GET", "plain"),
-        (_MODEL, "GET", "model"),
-        (_MODEL + r"/(?:ready|config|stats)", "GET", "model"),
-        (_MODEL + r"/infer", "POST", "infer"),
-        (rf"{_SHARED}(?:/region/{_NAME})?/status", "GET", "shared"),
-        (rf"{_SHARED}(?:/region/{_NAME})?/unregister", "POST", "shared"),
-        (rf"/v2/systemsharedmemory/region/{_NAME}/register", "POST", "register"),
-        (rf"/v2/cudasharedmemory/region/{_NAME}/register", "POST", "shared-json"),
-    )
-]
-# gRPC method: kind (as above).
-GRPC_METHODS = {
-    "ServerLive": "plain", "ServerReady": "plain", "ServerMetadata": "plain",
-    "ModelReady": "model", "ModelMetadata": "model", "ModelConfig": "model",
-    "ModelStatistics": "statistics", "ModelInfer": "infer", "ModelStreamInfer": "infer",
-    "SystemSharedMemoryStatus": "shared", "SystemSharedMemoryRegister": "register",
-    "SystemSharedMemoryUnregister": "shared", "CudaSharedMemoryStatus": "shared",
-    "CudaSharedMemoryRegister": "shared", "CudaSharedMemoryUnregister": "shared",
-}  # fmt: skip
 # HTTP headers of tritonserver's answers passed on.
 ANSWER_HEADERS = ("content-type", "content-encoding", "inference-header-content-length")
-
-
-class Refused(Exception):
-    """A request refused for what it is (the client's error): one line, and the HTTP
-    status (400 unless said)."""
-
-    def __init__(self, reason: str, status: int = 400):
-        super().__init__(reason)
-        self.status = status
-
-
-@dataclass(frozen=True)
-class Model:
-    name: str
-    max_batch: int  # 0: the shapes are whole (no batch dimension)
-    inputs: dict[str, tuple[str, tuple[int, ...], bool]]  # name: (datatype, dims, optional)
-    limit: int  # tensor bytes a request may declare
-    outputs: tuple[str, ...] = ()
-
-    def check(self, inputs: list[tuple[object, object, object]]) -> list[int]:
-        """Refused unless ``inputs`` ((name, datatype, shape) as the request has them) are
-        this model's; each one's declared tensor bytes."""
-        sizes, seen = [], set()
-        for name, datatype, shape in inputs:
-            if not isinstance(name, str) or name not in self.inputs:
-                raise Refused(
-                    f"{self.name} has no input {name!r} (it takes {', '.join(self.inputs)})"
-                )
-            if name in seen:
-                raise Refused(f"input {name!r} is given twice")
-            seen.add(name)
-            wanted = self.inputs[name][0]
-            if datatype != wanted:
-                raise Refused(f"input {name!r}: expected datatype {wanted}, got {datatype!r}")
-            if not isinstance(shape, list) or not all(_is_size(d) for d in shape):
-                raise Refused(f"input {name!r}: shape {shape!r} is not a list of sizes >= 0")
-            sizes.append(math.prod(shape) * ITEM_BYTES[datatype])
-        if sum(sizes) > self.limit:
-            raise Refused(
-                f"{self.name}: the request declares {sum(sizes)} bytes of inputs, over this "
-                f"server's limit of {self.limit} (--max-request-bytes)"
-            )
-        for name, _, shape in inputs:
-            self._check_shape(name, shape)
-        missing = [name for name, (_, _, optional) in self.inputs.items() if not optional]
-        missing = [name for name in missing if name not in seen]
-        if missing:
-            raise Refused(f"{self.name}: input {missing[0]!r} is missing")
-        batches = {shape[0] for _, _, shape in inputs} if self.max_batch else set()
-        if len(batches) > 1:
-            raise Refused(f"{self.name}: the inputs disagree on the batch size: {sorted(batches)}")
-        return sizes
-
-    def check_outputs(self, names: list) -> None:
-        """Refused unless ``names`` are this model's outputs, each once."""
-        for name in names:
-            if name not in self.outputs:
-                raise Refused(
-                    f"{self.name} has no output {name!r} (it gives {', '.join(self.outputs)})"
-                )
-        if len(set(names)) != len(names):
-            raise Refused(f"{self.name}: an output is asked for twice")
-
-    def _check_shape(self, name: str, shape: list[int]) -> None:
-        dims = self.inputs[name][1]
-        want = ("N", *dims) if self.max_batch else dims
-        fits = len(shape) == len(want) and all(
-            w == "N" or w < 0 or s == w for s, w in zip(shape, want)
-        )
-        if not fits:
-            said = ", ".join("any" if isinstance(w, int) and w < 0 else str(w) for w in want)
-            raise Refused(f"input {name!r}: expected shape [{said}], got {shape}")
-        if self.max_batch and not 1 <= shape[0] <= self.max_batch:
-            raise Refused(
-                f"input {name!r}: a batch of {shape[0]} rows; this model takes 1 to "
-                f"{self.max_batch}"
-            )
-
-    @property
-    def body_limit(self) -> int:
-        """The most bytes an HTTP request body to this model may hold (JSON text)."""
-        return HEADER_ROOM + JSON_PER_BYTE * self.limit
-
-
-def _is_size(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def models_of(repository: Path, max_request_bytes: int | None) -> dict[str, Model]:
-    """The models of a repository, from their ``config.pbtxt`` (Triton's own schema)."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2 as schema
-
-    models = {}
-    for config_file in sorted(repository.glob("*/config.pbtxt")):
-        config = text_format.Parse(config_file.read_text(), schema.ModelConfig())
-        name = config.name or config_file.parent.name
-        inputs = {
-            tensor.name: (
-                schema.DataType.Name(tensor.data_type)
-                .removeprefix("TYPE_")
-                .replace("STRING", "BYTES"),
-                tuple(tensor.dims),
-                tensor.optional,
-            )
-            for tensor in config.input
-        }
-        batch = max(config.max_batch_size, 1)
-        own = sum(
-            math.prod(dims) * ITEM_BYTES[datatype] * batch for datatype, dims, _ in inputs.values()
-        )
-        free = any(d < 0 for _, dims, _ in inputs.values() for d in dims)
-        limit = max_request_bytes or (UNBOUNDED_LIMIT if free else own)
-        outputs = tuple(tensor.name for tensor in config.output)
-        models[name] = Model(name, config.max_batch_size, inputs, limit, outputs)
-    return models
-
-
-def strict_json(text: bytes, what: str):
-    """``text`` as JSON (UTF-8), refused where it is not strictly so: a key twice in an
-    object (readers differ on which copy counts), NaN or Infinity, nesting deeper than
-    the interpreter takes."""
-
-    def pairs(items: list) -> dict:
-        found = dict(items)
-        if len(found) != len(items):
-            twice = next(key for k, (key, _) in enumerate(items) if key in dict(items[:k]))
-            raise Refused(f"{what}: key {twice!r} is given twice")
-        return found
-
-    def constant(name: str):
-        raise Refused(f"{what}: {name} is not a JSON value")
-
-    try:
-        return json.loads(text.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
-    except RecursionError:
-        raise Refused(f"{what}: nested too deep") from None
-    except (ValueError, UnicodeDecodeError) as error:
-        raise Refused(f"{what} is not JSON: {error}") from None
-
-
-def check_json_data(name: str, datatype: str, shape: list[int], data) -> None:
-    """Refused unless JSON ``data`` (a list, its lists nested at most as deep as
-    ``shape``) holds as many values as ``shape``, each a ``datatype`` value (integers
-    within its range, finite floats, strings of UTF-8). Each list's values are checked
-    together, at C speed: a request's data may hold millions."""
-    if type(data) is not list:
-        raise Refused(f"input {name!r}: data is not a list")
-    deepest = max(len(shape), 1)
-    count, stack = 0, [(data, 1)]
-    while stack:
-        values, depth = stack.pop()
-        if depth > deepest:
-            raise Refused(f"input {name!r}: data nested deeper than shape {shape}")
-        kinds = set(map(type, values))
-        if list in kinds:
-            if kinds != {list}:
-                raise Refused(f"input {name!r}: data mixes lists and values")
-            stack.extend((value, depth + 1) for value in values)
-            continue
-        if values and not _are_values(datatype, values, kinds):
-            raise Refused(f"input {name!r}: data holds values that are not {datatype} values")
-        count += len(values)
-    if count != math.prod(shape):
-        raise Refused(
-            f"input {name!r}: data holds {count} values; shape {shape} declares {math.prod(shape)}"
-        )
-
-
-def _are_values(datatype: str, values: list, kinds: set) -> bool:
-    """Whether ``values`` (of the types ``kinds``, none a list) are ``datatype``'s."""
-    if datatype == "BYTES":
-        return kinds == {str} and _is_text("".join(values))
-    if datatype == "BOOL":
-        return kinds == {bool}
-    if datatype in INT_RANGES:
-        low, high = INT_RANGES[datatype]
-        return kinds == {int} and low <= min(values) and max(values) <= high
-    # A float, or an integer a float holds (infinity comes from 1e999; NaN is refused).
-    return kinds <= {int, float} and -FLOAT_MAX <= min(values) and max(values) <= FLOAT_MAX
-
-
-def as_binary(header: dict, binary: bytes) -> tuple[dict, bytes]:
-    """A checked inference request (its JSON ``header`` and the ``binary`` data after
-    it) with its inputs' JSON data sent as binary data instead, as Triton would read it
-    (BF16 and BYTES kept as JSON): the header, and the binary data after it. Triton
-    then parses no number, and the front writes none back as text (slow in Python)."""
-    import numpy as np
-
-    parts, offset, inputs = [], 0, []
-    for tensor in header["inputs"]:
-        parameters = tensor.get("parameters", {})
-        if "binary_data_size" in parameters:
-            size = parameters["binary_data_size"]
-            parts.append(binary[offset : offset + size])
-            offset += size
-        elif "data" in tensor and tensor["datatype"] in NUMPY_TYPES:
-            values = [value for leaf in _leaves(tensor["data"]) for value in leaf]
-            parts.append(np.asarray(values, NUMPY_TYPES[tensor["datatype"]]).tobytes())
-            tensor = {key: value for key, value in tensor.items() if key != "data"}
-            tensor["parameters"] = {**parameters, "binary_data_size": len(parts[-1])}
-        inputs.append(tensor)
-    return {**header, "inputs": inputs}, b"".join(parts)
-
-
-def _leaves(data: list) -> list[list]:
-    """The lists of values in checked JSON ``data`` (lists of lists or of values), in
-    order."""
-    if not data or type(data[0]) is not list:
-        return [data]
-    return [leaf for item in data for leaf in _leaves(item)]
-
-
-def _is_text(value) -> bool:
-    """A string that UTF-8 can hold (JSON's escapes can write a lone surrogate)."""
-    if type(value) is not str:
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _check_parameters(parameters, allowed: dict, where: str) -> dict:
-    """Refused unless ``parameters`` is a JSON object of ``allowed`` names and kinds."""
-    if not isinstance(parameters, dict):
-        raise Refused(f'{where}: "parameters" is not a JSON object')
-    for key, value in parameters.items():
-        kind = allowed.get(key)
-        if kind is None:
-            raise Refused(
-                f"{where}: parameter {key!r} is not taken here (only {', '.join(allowed)})"
-            )
-        if kind is int:
-            ok = _is_size(value) and value <= LARGEST_PARAMETER
-        elif kind is str:
-            ok = isinstance(value, str) and re.fullmatch(_NAME, value) is not None
-        else:
-            ok = type(value) is kind
-        if not ok:
-            raise Refused(f"{where}: parameter {key!r} is {value!r:.40}, not a {kind.__name__}")
-    return parameters
-
-
-def _check_keys(part: dict, allowed: tuple[str, ...], where: str) -> None:
-    unknown = [key for key in part if key not in allowed]
-    if unknown:
-        raise Refused(f"{where}: {unknown[0]!r} is not taken here (only {', '.join(allowed)})")
-
-
-def check_http_infer(model: Model, header, binary: int) -> bool:
-    """Refused unless an HTTP inference request's JSON ``header`` is one for ``model``
-    whose ``binary`` bytes after it hold what it declares, and has only the keys and
-    parameters Triton's protocol gives; whether it names shared memory."""
-    if not isinstance(header, dict):
-        raise Refused("the request is not a JSON object")
-    _check_keys(header, ("id", "parameters", "inputs", "outputs"), "the request")
-    inputs = header.get("inputs")
-    if not isinstance(inputs, list) or not inputs or not all(isinstance(t, dict) for t in inputs):
-        raise Refused('the request has no "inputs" (a list of tensors)')
-    outputs = header.get("outputs", [])
-    if not isinstance(outputs, list) or not all(isinstance(t, dict) for t in outputs):
-        raise Refused('"outputs" is not a list of tensors')
-    if "id" in header and not (_is_text(header["id"]) and len(header["id"]) <= MAX_ID):
-        raise Refused(f'"id" is not a string of at most {MAX_ID} characters')
-    _check_parameters(header.get("parameters", {}), REQUEST_PARAMETERS, "the request")
-    for tensor in inputs:
-        _check_keys(tensor, ("name", "shape", "datatype", "parameters", "data"), "an input")
-        _check_parameters(tensor.get("parameters", {}), INPUT_PARAMETERS, "an input")
-    for tensor in outputs:
-        _check_keys(tensor, ("name", "parameters"), "an output")
-        _check_parameters(tensor.get("parameters", {}), OUTPUT_PARAMETERS, "an output")
-    model.check_outputs([t.get("name") for t in outputs])
-    sizes = model.check([(t.get("name"), t.get("datatype"), t.get("shape")) for t in inputs])
-    shared, sent = False, 0
-    for tensor, size in zip(inputs, sizes):
-        name, parameters = tensor["name"], tensor.get("parameters", {})
-        given = [key for key in ("data", "binary_data_size", "shared_memory_region")
-                 if key in tensor or key in parameters]  # fmt: skip
-        if len(given) != 1:
-            raise Refused(
-                f"input {name!r}: give one of data, binary_data_size or shared_memory_region"
-            )
-        if "data" in tensor:
-            check_json_data(name, tensor["datatype"], tensor["shape"], tensor["data"])
-        elif "binary_data_size" in parameters:
-            declared = parameters["binary_data_size"]
-            if tensor["datatype"] != "BYTES" and declared != size:
-                raise Refused(
-                    f"input {name!r}: binary_data_size {declared!r}, but shape "
-                    f"{tensor['shape']} of {tensor['datatype']} holds {size} bytes"
-                )
-            if tensor["datatype"] == "BYTES" and size > declared:
-                raise Refused(f"input {name!r}: {size} strings cannot fit {declared} bytes")
-            sent += declared
-        else:
-            shared = True
-    shared = shared or any(
-        key in t.get("parameters", {}) for t in outputs for key in SHARED_MEMORY_PARAMETERS
-    )
-    if sent != binary:
-        raise Refused(f"the request's binary data is {binary} bytes; its inputs declare {sent}")
-    return shared
-
-
-def _grpc_parameters(parameters, allowed: dict, where: str) -> None:
-    """Refused unless gRPC ``parameters`` (a map of InferParameter) are ``allowed``."""
-    for key, parameter in parameters.items():
-        kind = allowed.get(key)
-        given = parameter.WhichOneof("parameter_choice")
-        value = getattr(parameter, given) if given else None
-        if kind is None:
-            raise Refused(
-                f"{where}: parameter {key!r} is not taken here (only {', '.join(allowed)})"
-            )
-        if kind is int:
-            ok = given in ("int64_param", "uint64_param") and 0 <= value <= LARGEST_PARAMETER
-        elif kind is str:
-            ok = given == "string_param" and re.fullmatch(_NAME, value) is not None
-        else:
-            ok = given == "bool_param"
-        if not ok:
-            raise Refused(f"{where}: parameter {key!r} is not a {kind.__name__}")
-
-
-def check_grpc_infer(model: Model, request) -> bool:
-    """Refused unless a gRPC ModelInferRequest is one for ``model`` whose contents hold
-    what it declares, with the parameters Triton's protocol gives; whether it names
-    shared memory."""
-    if len(request.id) > MAX_ID:
-        raise Refused(f"the request's id is over {MAX_ID} characters")
-    _grpc_parameters(request.parameters, REQUEST_PARAMETERS, "the request")
-    for tensor in request.inputs:
-        _grpc_parameters(tensor.parameters, INPUT_PARAMETERS, "an input")
-    for tensor in request.outputs:
-        _grpc_parameters(tensor.parameters, OUTPUT_PARAMETERS, "an output")
-    model.check_outputs([t.name for t in request.outputs])
-    shared = any(
-        key in t.parameters
-        for t in (*request.inputs, *request.outputs)
-        for key in SHARED_MEMORY_PARAMETERS
-    )
-    inputs = [(t.name, t.datatype, list(t.shape)) for t in request.inputs]
-    if not inputs:
-        raise Refused(f"{model.name}: the request has no inputs")
-    sizes = model.check(inputs)
-    raw = request.raw_input_contents
-    if raw and len(raw) != len(inputs):
-        raise Refused(f"the request has {len(raw)} raw input contents for {len(inputs)} inputs")
-    for k, (tensor, size) in enumerate(zip(request.inputs, sizes)):
-        if raw:
-            if tensor.HasField("contents") or "shared_memory_region" in tensor.parameters:
-                raise Refused(f"input {tensor.name!r}: give raw contents, contents or a region")
-            if tensor.datatype != "BYTES" and len(raw[k]) != size:
-                raise Refused(
-                    f"input {tensor.name!r}: {len(raw[k])} bytes of raw contents; shape "
-                    f"{list(tensor.shape)} of {tensor.datatype} holds {size}"
-                )
-        elif tensor.HasField("contents"):
-            field = tensor.contents.ListFields()
-            if len(field) != 1 or "shared_memory_region" in tensor.parameters:
-                raise Refused(f"input {tensor.name!r}: give one kind of contents")
-            count = len(field[0][1])
-            if count != math.prod(tensor.shape):
-                raise Refused(
-                    f"input {tensor.name!r}: {count} values; shape {list(tensor.shape)} "
-                    f"declares {math.prod(tensor.shape)}"
-                )
-        elif "shared_memory_region" not in tensor.parameters:
-            raise Refused(f"input {tensor.name!r} has no contents")
-    return shared
-
-
-def check_region(key, offset, byte_size, uid: int, private: str = "") -> None:
-    """Refused unless ``key`` names a system shared-memory region (/dev/shm/NAME) that is
-    user ``uid``'s alone, is not one whose name starts with ``private`` (the Python
-    backend's own) and holds ``byte_size`` bytes from ``offset``."""
-    if (
-        not isinstance(key, str)
-        or not re.fullmatch(r"/[!-.0-~]{1,250}", key)
-        or key in ("/.", "/..")
-    ):
-        raise Refused(
-            f"key {key!r:.80}: a shared-memory key is /NAME (printable ASCII, no '/' or "
-            "space), a region in /dev/shm"
-        )
-    if private and key[1:].startswith(private):
-        raise Refused(f"key {key!r}: the region is the server's own, not a client's")
-    try:
-        found = (Path("/dev/shm") / key[1:]).lstat()  # a link is not followed
-    except OSError:
-        raise Refused(f"key {key!r}: there is no such shared-memory region") from None
-    if not stat.S_ISREG(found.st_mode) or found.st_uid != uid or found.st_mode & 0o077:
-        raise Refused(
-            f"key {key!r}: the region is not the serving user's alone (owner "
-            f"{found.st_uid}, mode {found.st_mode & 0o777:o}): make it with mode 0600"
-        )
-    if not (_is_size(offset) and _is_size(byte_size)) or offset + byte_size > found.st_size:
-        raise Refused(
-            f"key {key!r}: offset {offset!r} and byte_size {byte_size!r} are not within "
-            f"its {found.st_size} bytes"
-        )
-
-
-def connection_owner(peer: tuple[str, int], local_port: int) -> int | None:
-    """The user id owning the other end of a TCP connection from ``peer`` to our
-    ``local_port``, where it is a socket of this machine (the kernel's table lists it);
-    else None."""
-    try:
-        host = ipaddress.ip_address(peer[0].split("%")[0])
-    except ValueError:
-        return None
-    if isinstance(host, ipaddress.IPv6Address) and host.ipv4_mapped:
-        host = host.ipv4_mapped
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            (address, port), (_, remote_port) = (f.split(":") for f in fields[1:3])
-            if int(port, 16) == peer[1] and int(remote_port, 16) == local_port:
-                if _table_address(address) == host:
-                    return int(fields[7])
-    return None
-
-
-def _table_address(text: str):
-    """An address as /proc/net/tcp writes it: 32-bit words in host (little-endian) order."""
-    raw = bytes.fromhex(text)
-    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    address = ipaddress.ip_address(raw)
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
-        return address.ipv4_mapped
-    return address
-
-
-@dataclass(frozen=True)
-class Route:
-    path: str
-    kind: str  # plain, model, infer, shared, shared-json, register
-    model: Model | None
-
-
-def http_route(target: str, method: str, models: dict[str, Model]) -> Route:
-    """The route of a request for ``target`` (the path as sent); Refused: 400 where the
-    path is not canonical, 404 where no route or model is there, 405 for another
-    method."""
-    if not _CANONICAL.fullmatch(target):
-        raise Refused(
-            f"path {target[:200]!r}: not a plain path (this server takes segments of "
-            "letters, digits, '_', '-' and '.', not first; no '%', '//', query or "
-            "trailing '/')"
-        )
-    methods = []
-    for pattern, allowed, kind in HTTP_ROUTES:
-        found = pattern.fullmatch(target)
-        if not found:
-            continue
-        if method != allowed:
-            methods.append(allowed)
-            continue
-        name = found.groupdict().get("model")
-        if name is not None and name not in models:
-            raise Refused(f"model {name!r}: not served here (serving {_names(models)})", 404)
-        return Route(target, kind, models.get(name) if name else None)
-    if methods:
-        raise Refused(f"{target}: takes {' or '.join(methods)}, not {method[:20]}", 405)
-    raise Refused(f"{target}: no such route on this server", 404)
-
-
-def answer_encoding(accepted: str | None) -> str:
-    """What tritonserver may compress an answer with for a client that sent
-    ``accepted`` (its Accept-Encoding): gzip or deflate where the client takes it,
-    else identity (none)."""
-    taken = set()
-    for item in (accepted or "").lower().split(","):
-        coding, _, weight = item.partition(";")
-        weight = weight.strip().removeprefix("q=")
-        if not re.fullmatch(r"0(\.0*)?", weight):
-            taken.add(coding.strip())
-    return next((coding for coding in ("gzip", "deflate") if coding in taken), "identity")
-
-
-def _names(models: dict) -> str:
-    return ", ".join(models) or "nothing"
 
 
 def _raise_file_limit() -> int:
@@ -833,7 +292,7 @@ class Front:
                 if not isinstance(region, dict):
                     raise Refused("the registration is not a JSON object")
                 if route.kind == "register":
-                    _check_keys(region, ("key", "offset", "byte_size"), "the registration")
+                    check_keys(region, ("key", "offset", "byte_size"), "the registration")
                     check_region(
                         region.get("key"),
                         region.get("offset", 0),
@@ -979,7 +438,7 @@ class Front:
     def _served(self, name: str) -> Model:
         if name not in self.models:
             raise Refused(
-                f"model {name[:100]!r}: not served here (serving {_names(self.models)})", 404
+                f"model {name[:100]!r}: not served here (serving {served_names(self.models)})", 404
             )
         return self.models[name]
 
