@@ -1,8 +1,9 @@
 """The compiled artifact (``.ptc``) against the result it was saved from: each model
 optimized (o1 on a GPU, where Inductor and the CUDA graph are tried; on a CPU only the
 inductor pass, at o2, where it runs), saved as ``.ptc`` with each Inductor setting asked
-for, and reloaded in a new process that times it in rounds taking turns with the
-optimized module timed here (``bench.from_rounds``: the same statistic as the report).
+for (or as an AOTInductor ``.pt2``: ``--settings pt2``), and reloaded in a new process
+that times it in rounds taking turns with the optimized module timed here
+(``bench.from_rounds``: the same statistic as the report).
 A ratio is in-process latency over the reloaded file's: 1.00x keeps the speed, the
 issue's bar is 0.90x. Also printed: the build (optimize, the save's compile, from the
 cache on a second save) and the new process's load and first call.
@@ -47,10 +48,13 @@ with torch.no_grad():
     for calls in requests():
         reply([loaded, first] if calls == "start" else bench.time_round(module, args, calls))
 """
+# setting: (the format saved, Inductor's settings for a .ptc); "pt2" is the same result
+# as an AOTInductor package, whose library is built at save and loaded without compiling.
 SETTINGS = {
-    "default": None,
-    "max_autotune": {"max_autotune": True},
-    "freezing": {"freezing": True},
+    "default": (".ptc", None),
+    "max_autotune": (".ptc", {"max_autotune": True}),
+    "freezing": (".ptc", {"freezing": True}),
+    "pt2": (".pt2", None),
 }
 
 
@@ -127,13 +131,13 @@ def measure(name: str, device: torch.device, settings: list[str], args) -> list[
     rows = []
     for setting in settings:
         with tempfile.TemporaryDirectory(prefix="compiled-artifact-") as folder:
-            path = Path(folder) / f"{name}.ptc"
-            configs = SETTINGS[setting]
+            suffix, configs = SETTINGS[setting]
+            path = Path(folder) / f"{name}{suffix}"
             start = time.perf_counter()
             bladesmith.save(optimized, path, inductor_configs=configs)
             save_s = time.perf_counter() - start
             start = time.perf_counter()
-            bladesmith.save(optimized, Path(folder) / "again.ptc", inductor_configs=configs)
+            bladesmith.save(optimized, Path(folder) / f"again{suffix}", inductor_configs=configs)
             again_s = time.perf_counter() - start
             row = {**base, "setting": setting, "save_s": round(save_s, 1)}
             row["second_save_s"] = round(again_s, 2)
