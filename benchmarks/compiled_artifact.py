@@ -55,6 +55,7 @@ SETTINGS = {
     "max_autotune": (".ptc", {"max_autotune": True}),
     "freezing": (".ptc", {"freezing": True}),
     "pt2": (".pt2", None),
+    "pt2_freezing": (".pt2", {"freezing": True}),
 }
 
 
