@@ -580,3 +580,33 @@ def test_an_export_error_without_a_message_names_the_error_it_was_raised_from(tm
         "torch.onnx.export failed (RuntimeError with no message, raised from ValueError: "
         "invalid literal for int() with base 10: 'three')"
     ), message
+
+
+class _Float8Cast(torch.nn.Module):
+    """A cast to float8: the TorchScript exporter has no ONNX type for it and fails."""
+
+    def forward(self, x):
+        return x.to(torch.float8_e4m3fn).float() * 2
+
+
+def test_a_failed_export_is_one_line_not_the_exporters_graph_dump(tmp_path, capfd):
+    """torch's exporter prints the whole TorchScript graph on stdout, from C++, when it
+    fails (its ONNX log is left on): thousands of lines for a real model."""
+    with pytest.raises(BladesmithError) as error:
+        export(_Float8Cast(), (torch.ones(2, 4),), tmp_path / "m.onnx")
+    out, err = capfd.readouterr()
+    assert "graph" not in out and "graph(" not in err, (out + err)[:300]
+    assert "\n" not in str(error.value)
+    print("after")  # the process's stdout works again
+    assert capfd.readouterr().out == "after\n"
+
+
+class _Talking(torch.nn.Module):
+    def forward(self, x):
+        print("traced")
+        return x * 2
+
+
+def test_what_a_model_prints_while_it_exports_is_still_printed(tmp_path, capfd):
+    export(_Talking(), (torch.ones(2, 4),), tmp_path / "m.onnx")
+    assert capfd.readouterr().out == "traced\n"

@@ -15,6 +15,7 @@ import inspect
 import os
 import re
 import shutil
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -92,6 +93,7 @@ def _torch_export(
         torch.no_grad(),
         _mha_fastpath_off(),
         _training_mode(model) as training,
+        _graph_dump_dropped(),
     ):
         # A domain the graph uses is declared at version 1 by the exporter itself; one
         # declared here and unused makes torch warn on stderr ("Custom opset domain ...
@@ -126,6 +128,37 @@ def _torch_export(
             raise BladesmithError(user_ops.missing_translation_message(name)) from None
         except Exception as error:  # the exporter's own errors, re-said with what to do
             raise _export_error(error, opset) from error
+
+
+@contextlib.contextmanager
+def _graph_dump_dropped():
+    """The process's stdout (file descriptor 1) held in a file while the exporter runs,
+    and written out after it unless it failed: on a failure the exporter prints the
+    whole TorchScript graph there from C++ (thousands of lines for a real model; its ONNX
+    log is left on, as ``setup_onnx_logging`` tests a function rather than its value),
+    where the error is one line."""
+    _flush_stdout()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 1)
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            _flush_stdout()
+            os.dup2(saved, 1)
+            os.close(saved)
+            held.seek(0)
+            printed = held.read()
+            if printed and not failed and sys.stdout is not None:
+                sys.stdout.write(printed.decode(errors="replace"))
+                sys.stdout.flush()
+
+
+def _flush_stdout() -> None:
+    if sys.stdout is not None:
+        sys.stdout.flush()
 
 
 def _given_arguments_only(model, args):
