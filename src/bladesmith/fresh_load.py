@@ -162,7 +162,7 @@ def reload_problem(optimized, path: Path) -> str | None:
     new process, or its outputs on a test input of each signature differ past the spec's
     tolerance there), or None when it is."""
     from bladesmith.runtimes.built_for import describe_tensors, signature
-    from bladesmith.verify import compare_outputs, detection_score_tolerance
+    from bladesmith.verify import compare_outputs, detection_score_tolerance, precisions
 
     calls = optimized.verified_args
     outputs, problem = run_saved_each(path, calls)
@@ -172,7 +172,8 @@ def reload_problem(optimized, path: Path) -> str | None:
     rtol, atol = spec.tolerance.get("rtol"), spec.tolerance.get("atol")
     # Detection scores as the gate judged them: what the dtype computed in may move them.
     judged_at = rtol + atol if rtol is not None and atol is not None else 0.0
-    score_atol = detection_score_tolerance(getattr(torch, spec.dtype), judged_at)
+    computes_in = precisions.named(spec.dtype).dtype or torch.float32  # int8: no torch dtype
+    score_atol = detection_score_tolerance(computes_in, judged_at)
     for args, got in zip(calls, outputs, strict=True):
         comparison = compare_outputs(
             optimized(*args), got, rtol=rtol, atol=atol, score_atol=score_atol

@@ -109,6 +109,25 @@ def test_int8_is_a_precision_judged_by_the_metric():
     assert not precisions.BFLOAT16.by_metric and precisions.BFLOAT16.noise_unit == 2.0**-8
 
 
+def test_a_specs_dtype_names_its_precision_int8_and_float8_included():
+    """A spec says "float8", which torch has no dtype of that name for: save's reload
+    check and bench's comparison read the precision, not getattr(torch, ...)."""
+    assert precisions.named("float8") is precisions.FLOAT8
+    assert precisions.named("int8") is precisions.INT8
+    assert precisions.named("float16") is precisions.FLOAT16
+    assert precisions.named("float8_e5m2").dtype is torch.float8_e5m2
+
+
+def test_bench_does_not_compare_a_metric_judged_result_by_a_tolerance():
+    from bladesmith.cli.optimize import _agreement
+
+    row = {"input_shape": [1, 3, 8, 8], "dtype": "float16"}
+    outputs = torch.ones(1, 4)
+    assert _agreement((row, outputs), (row, outputs)).startswith("match")
+    line = _agreement((row, outputs), ({**row, "dtype": "float8"}, outputs + 1))
+    assert line == "not compared: a float8 result is judged by its task's metric, not a tolerance"
+
+
 @functools.cache
 def _trained() -> nn.Module:
     torch.manual_seed(0)

@@ -395,15 +395,18 @@ def _load_for_bench(path: str, trust: bool) -> tuple[dict, object, object]:
 
 def _agreement(reference: tuple[dict, object], other: tuple[dict, object]) -> str:
     """One line: do the outputs match, at the looser tolerance of the two dtypes."""
-    import torch
 
-    from bladesmith.verify import compare_outputs, default_tolerance
+    from bladesmith.verify import compare_outputs, default_tolerance, precisions
 
     (reference_row, reference_outputs), (row, outputs) = reference, other
     if reference_row["input_shape"] != row["input_shape"]:
         return "not compared: another input shape"
+    computes_in = [precisions.named(r["dtype"]) for r in (reference_row, row)]
+    by_metric = next((each.name for each in computes_in if each.by_metric), None)
+    if by_metric is not None:
+        return f"not compared: a {by_metric} result is judged by its task's metric, not a tolerance"
     rtol, atol = max(
-        (default_tolerance(getattr(torch, r["dtype"])) for r in (reference_row, row)),
+        (default_tolerance(each.dtype) for each in computes_in),
         key=lambda tolerance: tolerance[0],
     )
     comparison = compare_outputs(

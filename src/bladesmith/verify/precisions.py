@@ -48,6 +48,7 @@ INT8 = Precision("int8", None, "metric")
 FLOAT8 = Precision("float8", torch.float8_e4m3fn, "metric")
 
 _BY_DTYPE = {each.dtype: each for each in (FLOAT64, FLOAT32, FLOAT16, BFLOAT16)}
+_BY_NAME = {each.name: each for each in (*_BY_DTYPE.values(), INT8, FLOAT8)}
 
 
 def of_dtype(dtype: torch.dtype) -> Precision:
@@ -58,3 +59,10 @@ def of_dtype(dtype: torch.dtype) -> Precision:
         return known
     unit = torch.finfo(dtype).eps / 2 if dtype.is_floating_point else None
     return Precision(str(dtype).removeprefix("torch."), dtype, "tolerance", unit)
+
+
+def named(name: str) -> Precision:
+    """The precision a spec's ``dtype`` names ("float16", "int8", "float8"): a known one,
+    else arithmetic in torch's dtype of that name."""
+    known = _BY_NAME.get(name)
+    return known if known is not None else of_dtype(getattr(torch, name))
