@@ -47,3 +47,11 @@ def test_a_runtime_computing_in_a_dtype_refuses_formats_only_where_it_was_kept(m
     assert "ONNX Runtime" in refused[".onnx"] and "bf16" in refused[".onnx"]
     kept = dataclasses.replace(spec, passes=("openvino",), backend="openvino")
     assert ".pt" in result._dtype_refusals(kept)
+
+
+def test_a_float8_result_is_refused_the_formats_that_cannot_hold_it_before_trying_them():
+    spec = Spec("cuda", "float8", ((4, 64),), "as the model", ("fp8", "inductor"), "inductor", ())
+    refused = result._dtype_refusals(spec)
+    assert set(refused) == {".pt", ".onnx"}, refused
+    assert refused[".pt"].startswith("float8 was kept (fp8), and a TorchScript file")
+    assert refused[".onnx"].endswith("save it as .ptc")

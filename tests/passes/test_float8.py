@@ -236,6 +236,42 @@ def test_fp8s_result_is_compiled_by_inductor_and_saves_as_ptc(tmp_path):
     reload_in_new_process(path, (x,), expected, tmp_path)
 
 
+class _Float8OnThisCpu(Float8):
+    """fp8 where this CPU runs it (torch._scaled_mm has a CPU kernel): the pass itself
+    runs only on FP8 GPUs."""
+
+    devices = ("cpu",)
+
+    def skip_reason(self, candidate, context):
+        return None
+
+
+@pytest.mark.slow
+def test_a_kept_fp8_result_is_refused_pt_and_onnx_and_saves_as_ptc(tmp_path):
+    """Its spec says float8: .pt and .onnx refused for it before any try, the .ptc saved,
+    reloaded in a new process. (Wasteful: the dead product its compile drops makes it
+    win over eager; Inductor alone is excluded, so that fp8 is the pass that compiles.)"""
+    model = Clusters(width=64).eval()
+    data = [(model.inputs(64, seed),) for seed in range(2)]
+    config = Config(include=["fp8"], exclude=["inductor"], progress=False, warmup=1, iters=3)
+    optimized, spec, _ = bladesmith.optimize(
+        Wasteful(model),
+        "o2",
+        device="cpu",
+        test_data=data,
+        passes=[Inductor(), _Float8OnThisCpu()],
+        config=config,
+    )
+    assert spec.dtype == "float8" and spec.save_formats == (".ptc",), spec
+    assert "float8 was kept (fp8)" in spec.refused_formats[".pt"]
+    assert "float8 was kept (fp8)" in spec.refused_formats[".onnx"]
+    path = bladesmith.save(optimized, tmp_path / "fp8.ptc")
+    x = data[0][0]
+    with torch.no_grad():
+        expected = optimized(x)
+    reload_in_new_process(path, (x,), expected, tmp_path)
+
+
 def fp8_gpu(test):
     """A `cuda` test, skipped on a GPU without FP8 tensor cores."""
     old_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9)

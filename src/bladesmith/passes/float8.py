@@ -171,6 +171,11 @@ class Float8(Pass):
     changes_precision = True
     computes_in = precisions.FLOAT8
     rewrites_modules = True
+    refuses_formats = {
+        ".pt": "a TorchScript file cannot hold it (its loader's checks have no float8 "
+        "kernels); save it as .ptc",
+        ".onnx": "the ONNX export has no float8 type; save it as .ptc",
+    }
 
     def skip_reason(self, candidate: Candidate, context: Context) -> str | None:
         capability = torch.cuda.get_device_capability(context.device)
