@@ -151,7 +151,8 @@ def input_amax(module: nn.Module, names: list[str], calls: list[tuple]) -> dict:
     """The absolute maximum of the input of each layer of ``names`` over ``calls``; a
     layer that none of them reaches is absent."""
     found: dict[str, torch.Tensor] = {}
-    module = with_projected_attention(module)
+    if attention_names(module):  # its projections' names exist once projected (a copy)
+        module = with_projected_attention(module)
     named = {module.get_submodule(name): name for name in names}
 
     def record(layer, args):
